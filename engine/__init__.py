@@ -1,0 +1,39 @@
+"""Tributary's generation engine: continuous batching over llama.cpp, embeddable in any Trio
+program. Import names from here, not from the modules.
+
+Synopsis::
+
+    import engine
+
+    async with engine.open_engine(engine.EngineConfig()) as eng:
+        params = engine.SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 32})
+        async with eng.submit(engine.GenerateRequest(text="Hi", sampling=params)) as stream:
+            async for item in stream:
+                ...
+"""
+
+from .config import EngineConfig as EngineConfig
+from .config import SimLatency as SimLatency
+from .core import Engine as Engine
+from .core import open_engine as open_engine
+from .errors import BadRequest as BadRequest
+from .errors import ContextLengthExceeded as ContextLengthExceeded
+from .errors import DuplicateRequestId as DuplicateRequestId
+from .errors import EngineClosed as EngineClosed
+from .errors import EngineError as EngineError
+from .errors import InvalidSamplingParams as InvalidSamplingParams
+from .errors import QueueFull as QueueFull
+from .errors import RequestTruncated as RequestTruncated
+from .errors import RunnerFailure as RunnerFailure
+from .request import Done as Done
+from .request import EngineStats as EngineStats
+from .request import Error as Error
+from .request import FinishReason as FinishReason
+from .request import Frame as Frame
+from .request import GenerateRequest as GenerateRequest
+from .request import ModelInfo as ModelInfo
+from .request import Output as Output
+from .sampling import SamplingParams as SamplingParams
+from .stream import RequestStream as RequestStream
+
+__version__ = "0.1.0"

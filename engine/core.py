@@ -1,0 +1,219 @@
+"""`open_engine` and `Engine`: the model, its scheduler task, and the request API.
+
+Synopsis::
+
+    async with open_engine(EngineConfig()) as engine:
+        request = GenerateRequest(text="Hello", sampling=SamplingParams.from_dict({"temperature": 0}))
+        async with engine.submit(request) as stream:
+            async for item in stream:
+                print(item.text, end="")
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from .config import EngineConfig
+from .detokenize import IncrementalDetokenizer
+from .errors import BadRequest, ContextLengthExceeded, DuplicateRequestId, EngineClosed, QueueFull
+from .request import EngineStats, GenerateRequest, ModelInfo, Output, abort_reason
+from .runners.base import Runner
+from .scheduler import Scheduler, Sequence
+from .service_nursery import open_service_nursery
+from .stream import RequestStream
+
+__all__ = ["Engine", "open_engine"]
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+    """Load the model, run the scheduler, and yield the `Engine`.
+
+    Loading happens in a worker thread, so the calling Trio program stays responsive. When
+    the block exits (normally, by error or by cancellation), every request still in flight
+    ends with an abort (status 503), the scheduler stops after its current step, and the
+    model is freed. Errors raised in the block reach the caller unwrapped.
+    """
+    config = config or EngineConfig()
+    runner = await trio.to_thread.run_sync(load_runner, config)
+    try:
+        engine = Engine(runner, config)
+        async with open_service_nursery() as nursery:
+            await nursery.start(engine._scheduler.run)
+            try:
+                yield engine
+            finally:
+                engine._closed = True
+                nursery.cancel_scope.cancel()
+    finally:
+        runner.close()
+
+
+def load_runner(config: EngineConfig) -> Runner:
+    """Build the runner `config.runner` names. Blocking: call it in a thread."""
+    if config.runner == "sim":
+        from .runners.sim import SimRunner
+
+        context = config.context_length or 8192
+        return SimRunner(
+            context_length=context,
+            kv_cells=config.kv_cells(context),
+            latency=config.sim_latency,
+            fail_at_step=config.sim_fail_at_step,
+        )
+    if config.runner == "llama":
+        from .runners.llama import LlamaRunner
+
+        return LlamaRunner.load(config)
+    raise ValueError(f"unknown runner {config.runner!r}; expected 'llama' or 'sim'")
+
+
+class Engine:
+    """Submit requests, abort them, and look at the model. Create with `open_engine`.
+
+    Every method is synchronous and never blocks: submit validates and enqueues, abort marks.
+    """
+
+    def __init__(self, runner: Runner, config: EngineConfig) -> None:
+        self.config = config
+        self._runner = runner
+        info = runner.info
+        self._scheduler = Scheduler(
+            runner, config, kv_total_cells=config.kv_cells(info.context_length)
+        )
+        self._scheduler.on_finish(self._forget)
+        self._live: dict[str, Sequence] = {}
+        self._closed = False
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._runner.info
+
+    def stats(self) -> EngineStats:
+        return self._scheduler.stats()
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self._runner.tokenize(text, add_special=add_special)
+
+    def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        vocab = self._runner.info.vocab_size
+        for token in ids:
+            if not 0 <= token < vocab:
+                raise BadRequest(f"token id {token} is out of the vocabulary [0, {vocab}).")
+        piece = self._runner.token_piece
+        return b"".join(piece(t, special=not skip_special_tokens) for t in ids).decode(
+            errors="replace"
+        )
+
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """Validate and enqueue `request`; return its stream at once.
+
+        Raises BadRequest (and subclasses: invalid sampling params, context too long,
+        duplicate in-flight rid), QueueFull, or EngineClosed. Nothing is enqueued when it
+        raises. The caller owns the returned stream and should use it in `async with`.
+        """
+        if self._closed:
+            raise EngineClosed("The engine is shutting down.")
+        info = self._runner.info
+        params = request.sampling
+        params.verify(info.vocab_size)
+        prompt_ids = self._prompt_ids(request)
+        rid = request.rid if request.rid is not None else uuid.uuid4().hex
+        if rid in self._live:
+            raise DuplicateRequestId(rid)
+        max_new = _check_context(len(prompt_ids), params.max_new_tokens, info.context_length)
+        if len(self._scheduler.waiting) >= self.config.max_queued_requests:
+            raise QueueFull(
+                f"The request queue is full ({self.config.max_queued_requests} waiting); "
+                "retry later."
+            )
+        sender, receiver = trio.open_memory_channel[Output](math.inf)
+        special = not params.skip_special_tokens
+        seq = Sequence(
+            rid=rid,
+            prompt_ids=prompt_ids,
+            params=params,
+            max_new_tokens=max_new,
+            stream_interval=params.stream_interval or self.config.stream_interval,
+            detokenizer=IncrementalDetokenizer(
+                lambda t: self._runner.token_piece(t, special=special),
+                stops=params.stop,
+                no_stop_trim=params.no_stop_trim,
+            ),
+            sender=sender,
+        )
+        self._live[rid] = seq
+        self._scheduler.enqueue(seq)
+        return RequestStream(
+            rid=rid,
+            prompt_tokens=len(prompt_ids),
+            receiver=receiver,
+            abort=lambda: self._scheduler.mark_abort(seq, abort_reason()),
+        )
+
+    def abort(self, rid: str, *, prefix: bool = False) -> int:
+        """Abort the in-flight request `rid` (or, with `prefix`, every rid starting with it,
+        as SGLang's scheduler matches). Returns how many were aborted. Their streams end with
+        a `Done` whose finish_reason is an abort."""
+        if prefix:
+            seqs = [s for r, s in self._live.items() if r.startswith(rid)]
+        else:
+            seqs = [self._live[rid]] if rid in self._live else []
+        for seq in seqs:
+            self._scheduler.mark_abort(seq, abort_reason())
+        return len(seqs)
+
+    def abort_all(self) -> int:
+        seqs = list(self._live.values())
+        for seq in seqs:
+            self._scheduler.mark_abort(seq, abort_reason())
+        return len(seqs)
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        vocab = self._runner.info.vocab_size
+        if request.input_ids is not None:
+            ids = request.input_ids
+            if not ids:
+                raise BadRequest("input_ids cannot be empty.")
+            for token in ids:
+                if not 0 <= token < vocab:
+                    raise BadRequest(
+                        f"input_ids contains out-of-vocabulary token id {token}; "
+                        f"valid range is [0, {vocab})."
+                    )
+            return list(ids)
+        if request.text is None:
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+        ids = self._runner.tokenize(request.text, add_special=True)
+        if not ids:
+            raise BadRequest("texts cannot be empty and tokenizer must be initialized")
+        return ids
+
+    def _forget(self, seq: Sequence) -> None:
+        if self._live.get(seq.rid) is seq:
+            del self._live[seq.rid]
+
+
+def _check_context(prompt_len: int, max_new_tokens: int | None, context: int) -> int:
+    """SGLang's two context checks; returns max_new_tokens made concrete."""
+    if prompt_len >= context:
+        raise ContextLengthExceeded(
+            f"The input ({prompt_len} tokens) is longer than the model's context length "
+            f"({context} tokens)."
+        )
+    if max_new_tokens is None:
+        return context - prompt_len
+    if prompt_len + max_new_tokens > context:
+        raise ContextLengthExceeded(
+            "Requested token count exceeds the model's maximum context length of "
+            f"{context} tokens. You requested a total of {prompt_len + max_new_tokens} "
+            f"tokens: {prompt_len} tokens from the input messages and {max_new_tokens} "
+            "tokens for the completion. Please reduce the number of tokens in the input "
+            "messages or the completion to fit within the limit."
+        )
+    return max_new_tokens

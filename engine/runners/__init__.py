@@ -1,0 +1,1 @@
+"""Model runners: `llama` (llama.cpp, the default) and `sim` (deterministic, for tests)."""

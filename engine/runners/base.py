@@ -1,0 +1,65 @@
+"""The contract between the scheduler and a model runner.
+
+The scheduler owns all request state; a runner owns the model, the KV cache and one sampler
+per sequence, and knows nothing of requests, rids or channels. One scheduler task calls the
+runner, so a runner never sees two calls at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..request import ModelInfo
+from ..sampling import SamplingParams
+
+__all__ = ["Runner", "SeqStep"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SeqStep:
+    """One sequence's share of a step."""
+
+    seq_id: int  # runner slot, 0 <= seq_id < max_running_requests
+    tokens: list[int]  # fed this step: a prompt chunk, or the last sampled token
+    start_pos: int  # KV position of tokens[0]
+    sample: bool  # sample a next token after this step (decode, or the last prompt chunk)
+    #: Token ids that must not be sampled this step (EOS and stop tokens before
+    #: min_new_tokens is reached).
+    suppress: frozenset[int] = frozenset()
+
+
+class Runner(Protocol):
+    info: ModelInfo
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+
+    def token_piece(self, token_id: int, *, special: bool) -> bytes:
+        """The bytes of one token; control tokens render empty unless `special`."""
+        ...
+
+    def open_sequence(self, seq_id: int, params: SamplingParams) -> None:
+        """Prepare slot `seq_id` (its KV is empty) with a sampler for `params`."""
+        ...
+
+    def close_sequence(self, seq_id: int) -> None:
+        """Free the slot's KV cells and sampler. Idempotent."""
+        ...
+
+    async def step(self, plan: Sequence[SeqStep]) -> list[int]:
+        """Run one forward pass over `plan` and sample where asked.
+
+        Returns one token id per entry with `sample=True`, in plan order. Raises
+        RunnerFailure if the forward pass failed; the sequences in `plan` are then in an
+        unknown state and the scheduler closes them.
+        """
+        ...
+
+    def kv_used_cells(self) -> int:
+        """KV cells occupied right now, as the backend itself counts them."""
+        ...
+
+    def close(self) -> None:
+        """Free the model. Called once, after the last step has returned."""
+        ...

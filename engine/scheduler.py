@@ -1,0 +1,291 @@
+"""Continuous batching: one task owns every sequence and drives the runner step by step.
+
+Each step:
+
+1. reap: sequences marked aborted leave (KV freed, an abort `Done` sent);
+2. admit: waiting requests take free slots, FIFO, while slots and KV cells last;
+3. plan: one decode token per decoding sequence, plus prompt chunks of prefilling sequences
+   up to `prefill_chunk_tokens`, so a long prompt stalls decodes by at most one chunk;
+4. `await runner.step(plan)`;
+5. commit: append sampled tokens, detokenize, check stop conditions, send `Frame`/`Done`.
+
+A request that arrives while others decode joins at the next step. Aborts are marks
+(`Sequence.abort`); they take effect at the next step boundary and never touch another
+sequence. Output channels are unbounded, so a slow consumer never stalls the scheduler;
+what a consumer has not read is bounded by its own request's length.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterator
+
+import trio
+
+from .config import EngineConfig
+from .detokenize import IncrementalDetokenizer
+from .errors import EngineError, RunnerFailure
+from .request import (
+    Done,
+    EngineStats,
+    Error,
+    FinishReason,
+    Frame,
+    Output,
+    abort_reason,
+    length_reason,
+    stop_reason,
+)
+from .runners.base import Runner, SeqStep
+from .sampling import SamplingParams
+
+__all__ = ["Scheduler", "Sequence"]
+
+LOGGER = logging.getLogger("tributary.engine.scheduler")
+
+
+class Sequence:
+    """One request inside the engine, from submit to its terminal output."""
+
+    def __init__(
+        self,
+        *,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        stream_interval: int,
+        detokenizer: IncrementalDetokenizer,
+        sender: trio.MemorySendChannel[Output],
+    ) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.max_new_tokens = max_new_tokens  # already clamped to the context
+        self.stream_interval = stream_interval
+        self.detok = detokenizer
+        self.sender = sender
+        self.slot: int | None = None
+        self.prefilled = 0  # prompt tokens in the KV cache
+        self.output_ids: list[int] = []
+        self.emitted_ids = 0  # output_ids already sent in a Frame
+        #: Set by Engine.abort; acted on at the next step boundary.
+        self.abort: FinishReason | None = None
+        self.finished = False
+
+    @property
+    def kv_reserve(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    def send(self, item: Output) -> None:
+        try:
+            self.sender.send_nowait(item)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The consumer left; its RequestStream has already marked us aborted.
+            pass
+
+    def emit_frame(self) -> None:
+        text = self.detok.take_delta(final=False)
+        ids = self.output_ids[self.emitted_ids :]
+        self.emitted_ids = len(self.output_ids)
+        self.send(Frame(self.rid, text, ids, *self._counts()))
+
+    def emit_done(self, reason: FinishReason) -> None:
+        text = self.detok.take_delta(final=True)
+        ids = self.output_ids[self.emitted_ids :]
+        self.emitted_ids = len(self.output_ids)
+        self.finished = True
+        self.send(Done(self.rid, text, ids, *self._counts(), finish_reason=reason))
+        self.sender.close()
+
+    def emit_error(self, error: EngineError) -> None:
+        self.finished = True
+        self.send(Error(self.rid, error))
+        self.sender.close()
+
+    def _counts(self) -> tuple[int, int, int]:
+        return len(self.prompt_ids), len(self.output_ids), 0
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, config: EngineConfig, *, kv_total_cells: int) -> None:
+        self.runner = runner
+        self.max_running = config.max_running_requests
+        self.prefill_chunk = config.prefill_chunk_tokens
+        self.kv_total_cells = kv_total_cells
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order
+        self._free_slots = list(range(self.max_running - 1, -1, -1))
+        self._kv_reserved = 0
+        self._eos = runner.info.eos_token_ids
+        self._wakeup = trio.Event()
+        self._on_finish: list[Callable[[Sequence], None]] = []
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # -- called from other tasks (synchronous, never blocks) ----------------------------
+
+    def enqueue(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self._wakeup.set()
+
+    def mark_abort(self, seq: Sequence, reason: FinishReason) -> None:
+        """Abort `seq`: at once if it is still waiting, else at the next step boundary."""
+        if seq.finished or seq.abort is not None:
+            return
+        seq.abort = reason
+        if seq.slot is None:
+            self.waiting.remove(seq)
+            self._finish(seq, abort_reason("Abort in waiting queue"))
+        self._wakeup.set()
+
+    def on_finish(self, callback: Callable[[Sequence], None]) -> None:
+        self._on_finish.append(callback)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_used_cells=self.runner.kv_used_cells(),
+            kv_total_cells=self.kv_total_cells,
+            steps=self.steps,
+            generated_tokens=self.generated_tokens,
+        )
+
+    # -- the scheduler task -------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                self._reap()
+                self._admit()
+                if not self.running:
+                    await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                    continue
+                plan, sampling = self._plan()
+                try:
+                    sampled = await self.runner.step(plan)
+                except Exception as exc:  # noqa: BLE001 - any runner failure fails its batch
+                    self._fail_batch(sampling, exc)
+                    continue
+                self.steps += 1
+                self._commit(sampling, sampled)
+        finally:
+            self._shutdown()
+
+    def _reap(self) -> None:
+        for seq in [s for s in self.running if s.abort is not None]:
+            self._finish(seq, seq.abort or abort_reason())
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if self._kv_reserved + seq.kv_reserve > self.kv_total_cells:
+                break  # FIFO: the head waits for cells rather than being overtaken
+            self.waiting.popleft()
+            if seq.max_new_tokens == 0:
+                self._finish(seq, length_reason(0))
+                continue
+            seq.slot = self._free_slots.pop()
+            self._kv_reserved += seq.kv_reserve
+            self.runner.open_sequence(seq.slot, seq.params)
+            self.running.append(seq)
+
+    def _plan(self) -> tuple[list[SeqStep], list[Sequence]]:
+        plan: list[SeqStep] = []
+        sampling: list[Sequence] = []  # the sequences that get a token, in plan order
+        budget = self.prefill_chunk
+        for seq in self.running:
+            assert seq.slot is not None
+            prompt_len = len(seq.prompt_ids)
+            if seq.prefilled == prompt_len:  # decoding
+                pos = prompt_len + len(seq.output_ids) - 1
+                plan.append(SeqStep(seq.slot, [seq.output_ids[-1]], pos, True, self._suppress(seq)))
+                sampling.append(seq)
+            elif budget > 0:
+                chunk = seq.prompt_ids[seq.prefilled : seq.prefilled + budget]
+                done = seq.prefilled + len(chunk) == prompt_len
+                plan.append(SeqStep(seq.slot, chunk, seq.prefilled, done, self._suppress(seq)))
+                seq.prefilled += len(chunk)
+                budget -= len(chunk)
+                if done:
+                    sampling.append(seq)
+        return plan, sampling
+
+    def _commit(self, sampling: list[Sequence], sampled: list[int]) -> None:
+        self.generated_tokens += len(sampled)
+        for seq, token in zip(sampling, sampled, strict=True):
+            if seq.abort is not None:
+                continue  # reaped at the next boundary; its token is dropped
+            seq.output_ids.append(token)
+            reason = self._check_finished(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            elif len(seq.output_ids) - seq.emitted_ids >= seq.stream_interval:
+                seq.emit_frame()
+
+    def _check_finished(self, seq: Sequence, token: int) -> FinishReason | None:
+        """SGLang's order: nothing before min_new_tokens; then length; then stop conditions."""
+        params = seq.params
+        n = len(seq.output_ids)
+        is_stop_token = not params.ignore_eos and (
+            token in self._eos or token in params.stop_token_ids
+        )
+        # A matched stop token is never rendered into the text.
+        matched = None if is_stop_token else seq.detok.add(token, check_stops=n >= params.min_new_tokens)
+        if n < params.min_new_tokens:
+            return None
+        if n >= seq.max_new_tokens:
+            return length_reason(n if params.max_new_tokens is None else params.max_new_tokens)
+        if is_stop_token:
+            return stop_reason(token)
+        if matched is not None:
+            return stop_reason(matched)
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.slot is not None:
+            self.runner.close_sequence(seq.slot)
+            self._free_slots.append(seq.slot)
+            self._kv_reserved -= seq.kv_reserve
+            self.running.remove(seq)
+            seq.slot = None
+        seq.emit_done(reason)
+        for callback in self._on_finish:
+            callback(seq)
+
+    def _fail_batch(self, sampling: list[Sequence], exc: Exception) -> None:
+        error = exc if isinstance(exc, EngineError) else RunnerFailure(f"runner failed: {exc!r}")
+        LOGGER.error("runner step failed; failing its %d sequences", len(self.running), exc_info=exc)
+        for seq in list(self.running):
+            assert seq.slot is not None
+            self.runner.close_sequence(seq.slot)
+            self._free_slots.append(seq.slot)
+            self._kv_reserved -= seq.kv_reserve
+            self.running.remove(seq)
+            seq.slot = None
+            seq.emit_error(error)
+            for callback in self._on_finish:
+                callback(seq)
+
+    def _shutdown(self) -> None:
+        reason = abort_reason("The engine is shutting down.", status_code=503, err_type="unavailable")
+        for seq in list(self.running) + list(self.waiting):
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            self._finish(seq, reason)
+
+    def _suppress(self, seq: Sequence) -> frozenset[int]:
+        """Before min_new_tokens, EOS and stop tokens may not be sampled (as SGLang's
+        min-new-tokens penalizer does)."""
+        params = seq.params
+        if params.ignore_eos or len(seq.output_ids) >= params.min_new_tokens:
+            return frozenset()
+        return self._eos | params.stop_token_ids
+
+    def all_sequences(self) -> Iterator[Sequence]:
+        yield from self.running
+        yield from self.waiting

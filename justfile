@@ -1,0 +1,39 @@
+# Tributary's tasks. `just serve` and `just test` set up .venv first when it is missing or
+# older than pyproject.toml.
+
+python := env_var_or_default("PYTHON", "python3")
+venv := ".venv"
+stamp := venv + "/.tributary-installed"
+
+# List the recipes.
+default:
+    @just --list
+
+# Create .venv and install Tributary with its test extras (compiles llama.cpp on first run, ~5 min).
+setup:
+    test -x {{venv}}/bin/python || {{python}} -m venv {{venv}}
+    {{venv}}/bin/python -m pip install --quiet --upgrade pip
+    {{venv}}/bin/python -m pip install --quiet -e '.[test]'
+    touch {{stamp}}
+
+# Run setup only when .venv is missing or pyproject.toml changed since the last install.
+_ensure-setup:
+    @if [ ! -f {{stamp}} ] || [ pyproject.toml -nt {{stamp}} ]; then just setup; fi
+
+# Serve SmolLM2 (or --model-path) on port 30000; extra flags go to `tributary serve`.
+serve *FLAGS: _ensure-setup
+    {{venv}}/bin/tributary serve {{FLAGS}}
+
+# Run the test suite; extra arguments go to pytest.
+test *ARGS: _ensure-setup
+    {{venv}}/bin/python -m pytest {{ARGS}}
+
+# ruff (lint and format check) and mypy.
+lint: _ensure-setup
+    {{venv}}/bin/ruff check app engine tests bench
+    {{venv}}/bin/ruff format --check app engine tests bench
+    {{venv}}/bin/mypy
+
+# Run the benchmarks; results go to docs/benchmarks/.
+bench: _ensure-setup
+    {{venv}}/bin/python bench/engine.py

@@ -1,0 +1,299 @@
+"""Scheduling, timing and cancellation on the sim runner, under Trio's autojump clock.
+
+Costs come from SimLatency: a step costs base + per decoding sequence + per prefill token, so
+every expected time below is computed from the same three numbers the scheduler pays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+import engine
+from engine import Done, EngineConfig, Error, Frame, GenerateRequest, SamplingParams, SimLatency
+
+LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
+
+
+def sim_config(**overrides: object) -> EngineConfig:
+    settings: dict[str, object] = {"runner": "sim", "sim_latency": LAT, "context_length": 4096}
+    settings.update(overrides)
+    return EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+def request(text: str = "hello", **sampling: object) -> GenerateRequest:
+    params = {"temperature": 0, "max_new_tokens": 8, **sampling}
+    return GenerateRequest(text=text, sampling=SamplingParams.from_dict(params))
+
+
+def step_cost(decoding: int = 0, prefill: int = 0) -> float:
+    return LAT.step_base + LAT.decode_per_seq * decoding + LAT.prefill_per_token * prefill
+
+
+async def collect(
+    stream: engine.RequestStream, into: list[tuple[float, engine.Output]] | None = None
+) -> list[tuple[float, engine.Output]]:
+    """Read a stream to its end, noting when each item arrived (appending to `into` live)."""
+    out = [] if into is None else into
+    async with stream:
+        async for item in stream:
+            out.append((trio.current_time(), item))
+    return out
+
+
+async def test_exact_timing_of_one_request(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        start = trio.current_time()
+        items = await collect(eng.submit(request("hello", max_new_tokens=3)))
+    times = [t - start for t, _ in items]
+    # Step 1 prefills 5 prompt tokens and samples token 1; steps 2-3 decode one token each.
+    first = step_cost(prefill=5)
+    assert times == pytest.approx([first, first + step_cost(1), first + 2 * step_cost(1)])
+    assert [type(i) for _, i in items] == [Frame, Frame, Done]
+    done = items[-1][1]
+    assert isinstance(done, Done)
+    assert done.finish_reason == {"type": "length", "length": 3}
+    assert done.completion_tokens == 3 and done.prompt_tokens == 5
+
+
+async def test_late_request_joins_running_batch_at_next_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        long = eng.submit(request("aaaa", max_new_tokens=40))
+        late_items: list[tuple[float, engine.Output]] = []
+        long_items: list[tuple[float, engine.Output]] = []
+        async with trio.open_nursery() as nursery:
+
+            nursery.start_soon(collect, long, long_items)
+            # Let the long request produce 5 tokens; the scheduler is then inside step 6.
+            while len(long_items) < 5:
+                await trio.sleep(0.001)
+            await trio.testing.wait_all_tasks_blocked()
+            submitted = trio.current_time()
+            late_items = await collect(eng.submit(request("bb", max_new_tokens=2)))
+        # The step in flight ends (one decode), then the next step prefills the late prompt
+        # alongside the long decode.
+        long_times = [t for t, _ in long_items]
+        step6_end = long_times[5]
+        assert late_items[0][0] == pytest.approx(step6_end + step_cost(decoding=1, prefill=2))
+        assert late_items[0][0] - submitted < 2 * step_cost(decoding=1, prefill=2)
+        # The late request finished long before the long one: nobody waits for anyone.
+        assert late_items[-1][0] < long_items[-1][0]
+        # And the long request got a token in every step, the joint ones included.
+        gaps = [b - a for a, b in zip(long_times, long_times[1:], strict=False)]
+        assert max(gaps) == pytest.approx(step_cost(decoding=1, prefill=2))
+        assert len(long_items) == 40
+
+
+async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    chunk = 256
+    async with engine.open_engine(sim_config(prefill_chunk_tokens=chunk)) as eng:
+        decoder = eng.submit(request("x", max_new_tokens=60))
+        decoded: list[tuple[float, engine.Output]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, decoder, decoded)
+            while len(decoded) < 3:
+                await trio.sleep(0.001)
+            big = eng.submit(request("y" * 2000, max_new_tokens=1))
+            big_items = await collect(big)
+    times = [t for t, _ in decoded]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    one_chunk_step = step_cost(decoding=1, prefill=chunk)
+    assert max(gaps) == pytest.approx(one_chunk_step)
+    # The 2,000-token prompt took ceil(2000 / 256) = 8 steps, each one also a decode step.
+    assert sum(1 for g in gaps if g > 1.5 * step_cost(decoding=1)) == math.ceil(2000 / chunk)
+    assert isinstance(big_items[-1][1], Done)
+    assert big_items[-1][1].prompt_tokens == 2000
+
+
+async def test_queue_full_is_typed_and_recovers(autojump_clock: trio.abc.Clock) -> None:
+    config = sim_config(max_running_requests=1, max_queued_requests=2)
+    async with engine.open_engine(config) as eng:
+        first = eng.submit(request(max_new_tokens=4))
+        second = eng.submit(request(max_new_tokens=4))
+        with pytest.raises(engine.QueueFull) as info:
+            eng.submit(request())
+        assert info.value.http_status == 503
+        assert eng.stats().waiting == 2
+        # Once the queue drains, submitting works again.
+        assert isinstance((await collect(first))[-1][1], Done)
+        assert isinstance((await collect(second))[-1][1], Done)
+        third = await collect(eng.submit(request(max_new_tokens=2)))
+        assert isinstance(third[-1][1], Done)
+
+
+async def test_leaving_stream_early_aborts_and_frees_the_sequence(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        other = eng.submit(request("other", max_new_tokens=30))
+        leaver = eng.submit(request("leaver", max_new_tokens=30))
+        other_items: list[tuple[float, engine.Output]] = []
+        async with trio.open_nursery() as nursery:
+
+            nursery.start_soon(collect, other, other_items)
+            async with leaver:
+                async for item in leaver:
+                    if item.completion_tokens == 3:  # type: ignore[union-attr]
+                        break
+            # Within one step the leaver's sequence is gone and its KV cells are free
+            # ("leaver" would hold at least 6 + 3 cells).
+            await trio.sleep(step_cost(decoding=2) * 1.01)
+            stats = eng.stats()
+            assert stats.running == 1
+            other_cells = len("other") + len(other_items)
+            assert other_cells - 1 <= stats.kv_used_cells <= other_cells
+        assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
+    done = other_items[-1][1]
+    assert isinstance(done, Done) and done.finish_reason["type"] == "length"
+    assert done.completion_tokens == 30
+
+
+async def test_cancelled_consumer_aborts(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        with trio.move_on_after(0.1):
+            await collect(eng.submit(request(max_new_tokens=1000)))
+        await trio.sleep(step_cost(decoding=1))
+        assert eng.stats().running == 0
+        assert eng.stats().kv_used_cells == 0
+
+
+async def test_abort_by_rid_ends_stream_with_abort_reason(autojump_clock: trio.abc.Clock) -> None:
+    config = sim_config(max_running_requests=1)
+    async with engine.open_engine(config) as eng:
+        running = eng.submit(
+            GenerateRequest(text="r", rid="run-1", sampling=SamplingParams.from_dict({}))
+        )
+        queued = eng.submit(GenerateRequest(text="q", rid="queued-1"))
+        async with running:
+            await running.__anext__()
+            assert eng.abort("run-1") == 1
+            assert eng.abort("queued", prefix=True) == 1
+            rest = [item async for item in running]
+        running_done = rest[-1]
+        assert isinstance(running_done, Done)
+        assert running_done.finish_reason["type"] == "abort"
+        assert running_done.finish_reason["message"] == "Aborted"
+        queued_items = await collect(queued)
+        assert queued_items[-1][1].finish_reason == {  # type: ignore[union-attr]
+            "type": "abort",
+            "message": "Abort in waiting queue",
+            "status_code": None,
+            "err_type": None,
+        }
+        # The rid is free again once the request has ended.
+        assert eng.abort("run-1") == 0
+        again = await collect(eng.submit(request(max_new_tokens=1)))
+        assert isinstance(again[-1][1], Done)
+
+
+async def test_duplicate_in_flight_rid_is_rejected(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        first = eng.submit(GenerateRequest(text="a", rid="same"))
+        with pytest.raises(engine.DuplicateRequestId, match="Duplicate request ID"):
+            eng.submit(GenerateRequest(text="b", rid="same"))
+        await collect(first)
+        # Sequential reuse is fine.
+        await collect(eng.submit(GenerateRequest(text="c", rid="same")))
+
+
+async def test_runner_failure_fails_its_batch_and_engine_keeps_serving(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(sim_config(sim_fail_at_step=3)) as eng:
+        a = eng.submit(request("a", max_new_tokens=10))
+        b = eng.submit(request("b", max_new_tokens=10))
+        for items in (await collect(a), await collect(b)):
+            last = items[-1][1]
+            assert isinstance(last, Error)
+            assert last.error.http_status == 500
+            assert "injected failure at step 3" in last.error.message
+        assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
+        after = await collect(eng.submit(request("c", max_new_tokens=2)))
+        assert isinstance(after[-1][1], Done)
+
+
+async def test_context_checks_use_sglang_messages(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config(context_length=64)) as eng:
+        with pytest.raises(engine.ContextLengthExceeded) as info:
+            eng.submit(request("z" * 64))
+        assert info.value.message == (
+            "The input (64 tokens) is longer than the model's context length (64 tokens)."
+        )
+        with pytest.raises(engine.ContextLengthExceeded, match="You requested a total of 70"):
+            eng.submit(request("z" * 60, max_new_tokens=10))
+        # max_new_tokens null means "until the context is full".
+        items = await collect(eng.submit(request("z" * 60, max_new_tokens=None)))
+        assert items[-1][1].completion_tokens == 4  # type: ignore[union-attr]
+
+
+async def test_stream_interval_batches_frames(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config(stream_interval=4)) as eng:
+        items = await collect(eng.submit(request(max_new_tokens=10)))
+    outputs = [i for _, i in items]
+    assert [len(o.output_ids) for o in outputs] == [4, 4, 2]  # type: ignore[union-attr]
+    assert [o.completion_tokens for o in outputs] == [4, 8, 10]  # type: ignore[union-attr]
+
+
+async def test_stop_token_id_and_string(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        free = await collect(eng.submit(request("seed", max_new_tokens=12)))
+        ids = [t for _, o in free for t in o.output_ids]  # type: ignore[union-attr]
+        text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
+        stop_id = ids[5]
+        first = ids.index(stop_id)
+        by_id = await collect(
+            eng.submit(request("seed", max_new_tokens=12, stop_token_ids=[stop_id]))
+        )
+        done = by_id[-1][1]
+        assert isinstance(done, Done)
+        assert done.finish_reason == {"type": "stop", "matched": stop_id}
+        assert done.completion_tokens == first + 1  # the stop token is counted ...
+        joined = "".join(o.text for _, o in by_id)  # type: ignore[union-attr]
+        assert joined == text[:first]  # ... but not rendered
+        stop_str = text[6:8]
+        by_str = await collect(eng.submit(request("seed", max_new_tokens=12, stop=[stop_str])))
+        joined = "".join(o.text for _, o in by_str)  # type: ignore[union-attr]
+        assert joined == text[: text.index(stop_str)]
+        assert by_str[-1][1].finish_reason == {"type": "stop", "matched": stop_str}  # type: ignore[union-attr]
+
+
+async def test_min_new_tokens_suppresses_eos(autojump_clock: trio.abc.Clock) -> None:
+    # logit_bias forces EOS (id 2) on the sim runner, as +100 would on a real model.
+    async with engine.open_engine(sim_config()) as eng:
+        eager = await collect(eng.submit(request(logit_bias={"2": 100})))
+        assert eager[-1][1].completion_tokens == 1  # type: ignore[union-attr]
+        assert eager[-1][1].finish_reason == {"type": "stop", "matched": 2}  # type: ignore[union-attr]
+        held = await collect(eng.submit(request(logit_bias={"2": 100}, min_new_tokens=5)))
+        assert held[-1][1].completion_tokens == 6  # type: ignore[union-attr]
+        ignored = await collect(
+            eng.submit(request(logit_bias={"2": 100}, ignore_eos=True, max_new_tokens=7))
+        )
+        assert ignored[-1][1].finish_reason == {"type": "length", "length": 7}  # type: ignore[union-attr]
+
+
+async def test_engine_exit_aborts_in_flight_requests(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        stream = eng.submit(request(max_new_tokens=1000))
+        first = await stream.__anext__()
+        assert isinstance(first, Frame)
+    with pytest.raises(engine.EngineClosed):
+        eng.submit(request())
+    # Read after the engine closed, the stream ends with a 503 abort, not silence.
+    rest = [item async for item in stream]
+    stream.close()
+    last = rest[-1]
+    assert isinstance(last, Done)
+    assert last.finish_reason["type"] == "abort"
+    assert last.finish_reason["status_code"] == 503
+
+
+async def test_error_in_block_reaches_caller_unwrapped(autojump_clock: trio.abc.Clock) -> None:
+    with pytest.raises(KeyError):
+        async with engine.open_engine(sim_config()):
+            raise KeyError("mine")
