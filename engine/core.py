@@ -3,8 +3,8 @@
 Synopsis::
 
     async with open_engine(EngineConfig()) as engine:
-        request = GenerateRequest(text="Hello", sampling=SamplingParams.from_dict({"temperature": 0}))
-        async with engine.submit(request) as stream:
+        params = SamplingParams.from_dict({"temperature": 0})
+        async with engine.submit(GenerateRequest(text="Hello", sampling=params)) as stream:
             async for item in stream:
                 print(item.text, end="")
 """

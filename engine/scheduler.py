@@ -168,7 +168,7 @@ class Scheduler:
                 plan, sampling = self._plan()
                 try:
                     sampled = await self.runner.step(plan)
-                except Exception as exc:  # noqa: BLE001 - any runner failure fails its batch
+                except Exception as exc:
                     self._fail_batch(sampling, exc)
                     continue
                 self.steps += 1
@@ -235,7 +235,9 @@ class Scheduler:
             token in self._eos or token in params.stop_token_ids
         )
         # A matched stop token is never rendered into the text.
-        matched = None if is_stop_token else seq.detok.add(token, check_stops=n >= params.min_new_tokens)
+        matched = (
+            None if is_stop_token else seq.detok.add(token, check_stops=n >= params.min_new_tokens)
+        )
         if n < params.min_new_tokens:
             return None
         if n >= seq.max_new_tokens:
@@ -259,7 +261,9 @@ class Scheduler:
 
     def _fail_batch(self, sampling: list[Sequence], exc: Exception) -> None:
         error = exc if isinstance(exc, EngineError) else RunnerFailure(f"runner failed: {exc!r}")
-        LOGGER.error("runner step failed; failing its %d sequences", len(self.running), exc_info=exc)
+        LOGGER.error(
+            "runner step failed; failing its %d sequences", len(self.running), exc_info=exc
+        )
         for seq in list(self.running):
             assert seq.slot is not None
             self.runner.close_sequence(seq.slot)
@@ -272,7 +276,9 @@ class Scheduler:
                 callback(seq)
 
     def _shutdown(self) -> None:
-        reason = abort_reason("The engine is shutting down.", status_code=503, err_type="unavailable")
+        reason = abort_reason(
+            "The engine is shutting down.", status_code=503, err_type="unavailable"
+        )
         for seq in list(self.running) + list(self.waiting):
             if seq in self.waiting:
                 self.waiting.remove(seq)

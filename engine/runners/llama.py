@@ -65,13 +65,11 @@ def default_model_path() -> Path:
 
 
 class LlamaRunner:
-    def __init__(self) -> None:
-        raise TypeError("use LlamaRunner.load(config)")
+    """Create with `LlamaRunner.load(config)`; the scheduler is its only caller."""
 
     @classmethod
     def load(cls, config: EngineConfig) -> LlamaRunner:
         """Load the model and create the context. Blocking (call it in a thread)."""
-        self = object.__new__(cls)
         path = Path(config.model_path) if config.model_path else default_model_path()
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
@@ -81,23 +79,29 @@ class LlamaRunner:
         model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
             raise RunnerFailure(f"llama.cpp could not load {path}")
+        try:
+            return cls(model, path, config)
+        except BaseException:
+            llama_cpp.llama_model_free(model)
+            raise
+
+    def __init__(self, model: ctypes.c_void_p, path: Path, config: EngineConfig) -> None:
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
-        n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self._n_vocab = n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         train_ctx = llama_cpp.llama_model_n_ctx_train(model)
-        context = config.context_length or train_ctx
+        self._context = context = config.context_length or train_ctx
         if context > train_ctx:
-            llama_cpp.llama_model_free(model)
             raise ValueError(
                 f"context_length {context} exceeds the model's trained context {train_ctx}"
             )
         self.kv_cells = config.kv_cells(context)
-        max_step_tokens = config.prefill_chunk_tokens + config.max_running_requests
+        self._max_step_tokens = config.prefill_chunk_tokens + config.max_running_requests
         threads = config.threads or os.cpu_count() or 1
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = self.kv_cells
-        ctx_params.n_batch = max_step_tokens
-        ctx_params.n_ubatch = max_step_tokens  # one step, one graph: no hidden sub-batching
+        ctx_params.n_batch = self._max_step_tokens
+        ctx_params.n_ubatch = self._max_step_tokens  # one step, one graph: no hidden split
         ctx_params.n_seq_max = config.max_running_requests
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
@@ -105,18 +109,14 @@ class LlamaRunner:
         ctx_params.no_perf = True
         ctx = llama_cpp.llama_init_from_model(model, ctx_params)
         if not ctx:
-            llama_cpp.llama_model_free(model)
             raise RunnerFailure("llama.cpp could not create a context")
         self._ctx = ctx
         self._memory = llama_cpp.llama_get_memory(ctx)
-        self._batch = llama_cpp.llama_batch_init(max_step_tokens, 0, 1)
-        self._max_step_tokens = max_step_tokens
+        self._batch = llama_cpp.llama_batch_init(self._max_step_tokens, 0, 1)
         self._samplers: dict[int, ctypes.c_void_p] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._kv_used = 0
         self._closed = False
-        self._n_vocab = n_vocab
-        self._context = context
         self.info = ModelInfo(
             name=config.served_model_name or path.name.removesuffix(".gguf"),
             path=str(path),
@@ -129,11 +129,13 @@ class LlamaRunner:
             bos_token_id=_token_or_none(llama_cpp.llama_vocab_bos(self._vocab)),
             chat_template=self._meta_str(b"tokenizer.chat_template"),
         )
-        self._add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         LOGGER.info(
-            "loaded %s: context %d, %d KV cells, %d threads", path.name, context, self.kv_cells, threads
+            "loaded %s: context %d, %d KV cells, %d threads",
+            path.name,
+            context,
+            self.kv_cells,
+            threads,
         )
-        return self
 
     # -- tokens -------------------------------------------------------------------------
 
@@ -181,7 +183,7 @@ class LlamaRunner:
         if p.logit_bias:
             biases = (lib.llama_logit_bias * len(p.logit_bias))()
             for i, (token, bias) in enumerate(p.logit_bias.items()):
-                biases[i].token = token
+                biases[i].token = token  # type: ignore[assignment]
                 biases[i].bias = bias
             lib.llama_sampler_chain_add(
                 chain, lib.llama_sampler_init_logit_bias(self._n_vocab, len(p.logit_bias), biases)

@@ -6,6 +6,7 @@ every expected time below is computed from the same three numbers the scheduler 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -66,7 +67,6 @@ async def test_late_request_joins_running_batch_at_next_step(
         late_items: list[tuple[float, engine.Output]] = []
         long_items: list[tuple[float, engine.Output]] = []
         async with trio.open_nursery() as nursery:
-
             nursery.start_soon(collect, long, long_items)
             # Let the long request produce 5 tokens; the scheduler is then inside step 6.
             while len(long_items) < 5:
@@ -83,7 +83,7 @@ async def test_late_request_joins_running_batch_at_next_step(
         # The late request finished long before the long one: nobody waits for anyone.
         assert late_items[-1][0] < long_items[-1][0]
         # And the long request got a token in every step, the joint ones included.
-        gaps = [b - a for a, b in zip(long_times, long_times[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(long_times)]
         assert max(gaps) == pytest.approx(step_cost(decoding=1, prefill=2))
         assert len(long_items) == 40
 
@@ -102,7 +102,7 @@ async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
             big = eng.submit(request("y" * 2000, max_new_tokens=1))
             big_items = await collect(big)
     times = [t for t, _ in decoded]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     one_chunk_step = step_cost(decoding=1, prefill=chunk)
     assert max(gaps) == pytest.approx(one_chunk_step)
     # The 2,000-token prompt took ceil(2000 / 256) = 8 steps, each one also a decode step.
@@ -135,7 +135,6 @@ async def test_leaving_stream_early_aborts_and_frees_the_sequence(
         leaver = eng.submit(request("leaver", max_new_tokens=30))
         other_items: list[tuple[float, engine.Output]] = []
         async with trio.open_nursery() as nursery:
-
             nursery.start_soon(collect, other, other_items)
             async with leaver:
                 async for item in leaver:

@@ -1,0 +1,197 @@
+"""The engine on the real model: SmolLM2-135M-Instruct through llama.cpp."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+import engine
+from engine import Done, EngineConfig, Frame, GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.model
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "My favourite animal is the",
+    "In 1969, the first man on the moon was",
+    "The quick brown fox",
+]
+
+
+@pytest.fixture
+async def eng() -> AsyncIterator[engine.Engine]:
+    config = EngineConfig(context_length=2048, max_running_requests=8, prefill_chunk_tokens=256)
+    async with engine.open_engine(config) as eng:
+        yield eng
+
+
+def request(prompt: str, **sampling: object) -> GenerateRequest:
+    params = {"temperature": 0, "max_new_tokens": 16, **sampling}
+    return GenerateRequest(text=prompt, sampling=SamplingParams.from_dict(params))
+
+
+async def run(eng: engine.Engine, req: GenerateRequest) -> tuple[str, list[int], Done]:
+    text, ids = "", []
+    async with eng.submit(req) as stream:
+        async for item in stream:
+            assert not isinstance(item, engine.Error), item.error
+            text += item.text
+            ids += item.output_ids
+    assert isinstance(item, Done)
+    return text, ids, item
+
+
+async def run_all(
+    eng: engine.Engine, reqs: list[GenerateRequest]
+) -> list[tuple[str, list[int], Done]]:
+    results: list[tuple[str, list[int], Done] | None] = [None] * len(reqs)
+    streams = [eng.submit(r) for r in reqs]  # submit first, so they are batched together
+
+    async def drain(i: int) -> None:
+        text, ids = "", []
+        async with streams[i] as stream:
+            async for item in stream:
+                text += item.text
+                ids += item.output_ids
+        assert isinstance(item, Done)
+        results[i] = (text, ids, item)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(reqs)):
+            nursery.start_soon(drain, i)
+    return [r for r in results if r is not None]
+
+
+async def test_model_info_describes_smollm2(eng: engine.Engine) -> None:
+    info = eng.model_info
+    assert info.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert info.vocab_size == 49152
+    assert info.context_length == 2048 and info.train_context_length == 8192
+    assert 2 in info.eos_token_ids  # <|im_end|>
+    assert info.chat_template is not None and "<|im_start|>" in info.chat_template
+    assert eng.detokenize(eng.tokenize("Hello, world!")) == "Hello, world!"
+
+
+async def test_greedy_is_deterministic(eng: engine.Engine) -> None:
+    first = await run(eng, request(PROMPTS[0]))
+    second = await run(eng, request(PROMPTS[0]))
+    assert first[1] == second[1]
+    assert len(first[1]) == 16 and first[0].strip()
+
+
+async def test_greedy_is_batch_invariant(eng: engine.Engine) -> None:
+    alone = await run(eng, request(PROMPTS[2]))
+    batched = await run_all(eng, [request(p) for p in PROMPTS])
+    assert batched[2][1][:16] == alone[1][:16]
+    # Every prompt in the batch got its own continuation.
+    assert len({tuple(ids) for _, ids, _ in batched}) == len(PROMPTS)
+
+
+async def test_stop_string_is_trimmed(eng: engine.Engine) -> None:
+    text, _, _ = await run(eng, request(CHAT.format("What is the capital of France?")))
+    assert "Paris" in text
+    cut, _ids, done = await run(
+        eng, request(CHAT.format("What is the capital of France?"), stop=["Paris"])
+    )
+    assert done.finish_reason == {"type": "stop", "matched": "Paris"}
+    assert cut == text[: text.index("Paris")]
+    assert "Paris" not in cut
+    kept, _, _ = await run(
+        eng,
+        request(CHAT.format("What is the capital of France?"), stop=["Paris"], no_stop_trim=True),
+    )
+    assert kept == text[: text.index("Paris") + len("Paris")]
+
+
+async def test_max_new_tokens_is_honoured(eng: engine.Engine) -> None:
+    for n in (1, 7, 33):
+        _, ids, done = await run(eng, request(PROMPTS[1], max_new_tokens=n, ignore_eos=True))
+        assert len(ids) == n == done.completion_tokens
+        assert done.finish_reason == {"type": "length", "length": n}
+
+
+async def test_eos_ends_a_chat_reply(eng: engine.Engine) -> None:
+    text, ids, done = await run(
+        eng, request(CHAT.format("What is the capital of France?"), max_new_tokens=200)
+    )
+    assert done.finish_reason == {"type": "stop", "matched": 2}  # <|im_end|>
+    assert ids[-1] == 2 and done.completion_tokens == len(ids) < 200
+    assert "<|im_end|>" not in text and text.strip()
+    shown, _, _ = await run(
+        eng,
+        request(
+            CHAT.format("What is the capital of France?"),
+            max_new_tokens=200,
+            skip_special_tokens=False,
+        ),
+    )
+    assert shown == text  # the matched stop token is never rendered
+
+
+async def test_seeded_sampling_repeats(eng: engine.Engine) -> None:
+    params = {"temperature": 1.0, "top_p": 0.95, "sampling_seed": 1234, "max_new_tokens": 24}
+    a = await run(eng, request(PROMPTS[1], **params))
+    b = await run(eng, request(PROMPTS[1], **params))
+    c = await run(eng, request(PROMPTS[1], **{**params, "sampling_seed": 99}))
+    assert a[1] == b[1]
+    assert a[1] != c[1]
+
+
+async def test_utf8_multibyte_round_trips(eng: engine.Engine) -> None:
+    text = "Grüße aus Köln — 東京タワー 🚀🌍 naïve café"
+    assert eng.detokenize(eng.tokenize(text, add_special=False)) == text
+    # Streamed deltas never split a character: every delta is valid text on its own, and
+    # the emoji the prompt asks to repeat comes back whole.
+    req = request(CHAT.format("Repeat exactly: 🚀🌍🚀🌍 東京"), max_new_tokens=40)
+    async with eng.submit(req) as stream:
+        deltas = [item.text async for item in stream]
+    assert all("\ufffd" not in d for d in deltas)
+    assert any(ch in "".join(deltas) for ch in "🚀🌍東京")
+
+
+async def test_logit_bias_forces_and_forbids(eng: engine.Engine) -> None:
+    forced = eng.tokenize(" banana", add_special=False)[0]
+    _, ids, _ = await run(eng, request(PROMPTS[0], max_new_tokens=4, logit_bias={str(forced): 100}))
+    assert ids == [forced] * 4
+    _, free_ids, _ = await run(eng, request(PROMPTS[0], max_new_tokens=4))
+    _, banned, _ = await run(
+        eng, request(PROMPTS[0], max_new_tokens=4, logit_bias={str(free_ids[0]): -100})
+    )
+    assert banned[0] != free_ids[0]
+
+
+async def test_abort_mid_decode_frees_sequence_and_spares_others(eng: engine.Engine) -> None:
+    reqs = [request(p, max_new_tokens=48, ignore_eos=True) for p in PROMPTS[:4]]
+    streams = [eng.submit(r) for r in reqs]
+    victim = eng.submit(request(PROMPTS[4], max_new_tokens=400, ignore_eos=True))
+    results: list[Done | None] = [None] * 4
+
+    async def drain(i: int) -> None:
+        async with streams[i] as stream:
+            items = [item async for item in stream]
+        results[i] = items[-1]  # type: ignore[assignment]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(drain, i)
+        async with victim:
+            async for item in victim:
+                if isinstance(item, Frame) and item.completion_tokens >= 5:
+                    break
+        assert eng.stats().running == 5  # the mark is acted on at the next step boundary
+        with trio.fail_after(5):
+            while eng.stats().running != 4:
+                await trio.sleep(0.005)
+        assert all(r is None for r in results)  # the others are still decoding
+    for done in results:
+        assert isinstance(done, Done)
+        assert done.finish_reason == {"type": "length", "length": 48}
+    stats = eng.stats()
+    assert stats.running == 0 and stats.kv_used_cells == 0 and stats.waiting == 0
