@@ -162,6 +162,23 @@ class RawLoop:
         llama_cpp.llama_model_free(self.model)
 
 
+async def scheduler_overhead(concurrency: int, tokens: int = 256) -> float:
+    """Microseconds of scheduler + channel + consumer work per step, with a sim runner whose
+    steps cost nothing: everything measured is Tributary's own Python."""
+    zero = engine.SimLatency(step_base=0.0, decode_per_seq=0.0, prefill_per_token=0.0)
+    cfg = engine.EngineConfig(
+        runner="sim", sim_latency=zero, max_running_requests=concurrency, context_length=4096
+    )
+    async with engine.open_engine(cfg) as eng:
+        await engine_run(eng, prompts(concurrency), 8)
+        before = eng.stats().steps
+        start = time.perf_counter()
+        await engine_run(eng, prompts(concurrency), tokens)
+        elapsed = time.perf_counter() - start
+        steps = eng.stats().steps - before
+    return elapsed / steps * 1e6
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
@@ -193,15 +210,24 @@ async def main() -> None:
                 "raw_runs": [round(x, 1) for x in raw_rates],
             }
         )
-        print(f"concurrency {c:>2}: engine {e:7.1f} tok/s   raw {r:7.1f} tok/s   ratio {e / r:.3f}")
+        overhead = await scheduler_overhead(c)
+        rows[-1]["scheduler_overhead_us_per_step"] = round(overhead, 1)
+        print(
+            f"concurrency {c:>2}: engine {e:7.1f} tok/s   raw {r:7.1f} tok/s   ratio {e / r:.3f}"
+            f"   scheduler overhead {overhead:6.0f} us/step"
+        )
 
     print()
-    print("| concurrency | engine tok/s | raw llama_decode tok/s | engine / raw |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| concurrency | engine tok/s | raw llama_decode tok/s | engine / raw "
+        "| scheduler overhead (us/step, sim) |"
+    )
+    print("|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
             f"| {row['concurrency']} | {row['engine_tokens_per_s']} | "
-            f"{row['raw_tokens_per_s']} | {row['ratio']} |"
+            f"{row['raw_tokens_per_s']} | {row['ratio']} | "
+            f"{row['scheduler_overhead_us_per_step']} |"
         )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(

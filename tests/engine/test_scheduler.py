@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -296,3 +297,23 @@ async def test_error_in_block_reaches_caller_unwrapped(autojump_clock: trio.abc.
     with pytest.raises(KeyError):
         async with engine.open_engine(sim_config()):
             raise KeyError("mine")
+
+
+async def test_closing_a_generator_around_the_stream_aborts(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The abort also runs when cleanup sees GeneratorExit (a closed async generator), as
+    happens to a streaming HTTP body whose client stopped reading."""
+    async with engine.open_engine(sim_config()) as eng:
+
+        async def frames() -> AsyncIterator[engine.Output]:
+            async with eng.submit(request(max_new_tokens=1000)) as stream:
+                async for item in stream:
+                    yield item
+
+        agen = frames()
+        await agen.__anext__()
+        assert eng.stats().running == 1
+        await agen.aclose()
+        await trio.sleep(step_cost(decoding=1) * 1.01)
+        assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
