@@ -100,7 +100,7 @@ class RawLoop:
         cp.n_batch = cp.n_ubatch = n_batch
         cp.n_seq_max = cfg.max_running_requests
         cp.n_threads = cp.n_threads_batch = os.cpu_count() or 1
-        cp.kv_unified = True
+        cp.kv_unified = False
         cp.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         self.mem = llama_cpp.llama_get_memory(self.ctx)

@@ -33,13 +33,11 @@ class EngineConfig:
     served_model_name: str | None = None
     #: Longest prompt + completion of one request; None means the model's trained context.
     context_length: int | None = None
-    #: Sequences decoded together (llama.cpp sequence ids).
-    max_running_requests: int = 16
+    #: Sequences decoded together (llama.cpp sequence ids). Each gets its own KV cache of
+    #: context_length cells (about 23 KB a cell for SmolLM2: 8 x 8192 cells is 1.5 GB).
+    max_running_requests: int = 8
     #: Requests allowed to wait for a running slot; beyond it submit raises QueueFull.
     max_queued_requests: int = 256
-    #: KV cells shared by all running sequences; None means context_length * 2, at least
-    #: enough for max_running_requests sequences of 512 tokens.
-    kv_cache_tokens: int | None = None
     #: Prompt tokens processed per step (chunked prefill): the longest a prompt can stall
     #: running decodes is one step of this many tokens.
     prefill_chunk_tokens: int = 256
@@ -56,7 +54,5 @@ class EngineConfig:
     sim_fail_at_step: int | None = None
 
     def kv_cells(self, context_length: int) -> int:
-        """KV cells for the whole engine, given the per-request context length."""
-        if self.kv_cache_tokens is not None:
-            return max(self.kv_cache_tokens, context_length)
-        return max(2 * context_length, 512 * self.max_running_requests)
+        """KV cells for the whole engine: one context's worth per running slot."""
+        return context_length * self.max_running_requests

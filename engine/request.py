@@ -100,6 +100,7 @@ class ModelInfo:
     train_context_length: int
     vocab_size: int
     eos_token_ids: frozenset[int]  # every end-of-generation token (llama_vocab_is_eog)
+    eos_token_id: int | None  # *the* EOS token (what chat templates call eos_token)
     bos_token_id: int | None
     chat_template: str | None
 

@@ -3,7 +3,8 @@
 Each step:
 
 1. reap: sequences marked aborted leave (KV freed, an abort `Done` sent);
-2. admit: waiting requests take free slots, FIFO, while slots and KV cells last;
+2. admit: waiting requests take free slots, FIFO (each slot has a whole context of KV
+   cells, and submit has checked the request fits one);
 3. plan: one decode token per decoding sequence, plus prompt chunks of prefilling sequences
    up to `prefill_chunk_tokens`, so a long prompt stalls decodes by at most one chunk;
 4. `await runner.step(plan)`;
@@ -74,10 +75,6 @@ class Sequence:
         self.abort: FinishReason | None = None
         self.finished = False
 
-    @property
-    def kv_reserve(self) -> int:
-        return len(self.prompt_ids) + self.max_new_tokens
-
     def send(self, item: Output) -> None:
         try:
             self.sender.send_nowait(item)
@@ -117,7 +114,6 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
         self._free_slots = list(range(self.max_running - 1, -1, -1))
-        self._kv_reserved = 0
         self._eos = runner.info.eos_token_ids
         self._wakeup = trio.Event()
         self._on_finish: list[Callable[[Sequence], None]] = []
@@ -182,15 +178,11 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if self._kv_reserved + seq.kv_reserve > self.kv_total_cells:
-                break  # FIFO: the head waits for cells rather than being overtaken
-            self.waiting.popleft()
+            seq = self.waiting.popleft()
             if seq.max_new_tokens == 0:
                 self._finish(seq, length_reason(0))
                 continue
             seq.slot = self._free_slots.pop()
-            self._kv_reserved += seq.kv_reserve
             self.runner.open_sequence(seq.slot, seq.params)
             self.running.append(seq)
 
@@ -252,7 +244,6 @@ class Scheduler:
         if seq.slot is not None:
             self.runner.close_sequence(seq.slot)
             self._free_slots.append(seq.slot)
-            self._kv_reserved -= seq.kv_reserve
             self.running.remove(seq)
             seq.slot = None
         seq.emit_done(reason)
@@ -268,7 +259,6 @@ class Scheduler:
             assert seq.slot is not None
             self.runner.close_sequence(seq.slot)
             self._free_slots.append(seq.slot)
-            self._kv_reserved -= seq.kv_reserve
             self.running.remove(seq)
             seq.slot = None
             seq.emit_error(error)

@@ -54,6 +54,7 @@ class SimRunner:
             train_context_length=context_length,
             vocab_size=VOCAB_SIZE,
             eos_token_ids=frozenset({0, 2}),
+            eos_token_id=2,
             bos_token_id=None,
             chat_template=None,
         )
