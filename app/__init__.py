@@ -1,0 +1,26 @@
+"""Tributary's HTTP front end: SGLang's native `/generate` API on Quart-Trio and Hypercorn.
+Import names from here, not from the modules.
+
+Synopsis::
+
+    import engine, app
+
+    async with engine.open_engine(engine.EngineConfig()) as eng:
+        async with app.open_http_server(eng, app.ServerSettings(port=0)) as urls:
+            ...                                  # POST {urls[0]}/generate
+
+`tributary serve` (`app.cli:main`) does the same from the command line.
+"""
+
+from .generate import drain_batch as drain_batch
+from .generate import drain_unary as drain_unary
+from .normalize import NormalizedGenerate as NormalizedGenerate
+from .normalize import normalize_generate as normalize_generate
+from .routes import create_app as create_app
+from .server import ServerConfig as ServerConfig
+from .server import open_http_server as open_http_server
+from .server import serve as serve
+from .settings import ServerSettings as ServerSettings
+from .state import ServerState as ServerState
+from .state import server_state as server_state
+from .timing import RequestTiming as RequestTiming

@@ -1,0 +1,133 @@
+"""`admin_blueprint`: the endpoints around `/generate` that SGLang clients, routers and load
+balancers call: `/health`, `/health_generate`, `/get_model_info` (`/model_info`),
+`/get_server_info` (`/server_info`), `/abort_request`, `/flush_cache`. docs/api.md has the wire
+details.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import uuid
+
+import trio
+from quart import Blueprint, Response
+
+import engine as engine_pkg
+from engine import BadRequest, Done, Engine, EngineError, GenerateRequest, SamplingParams
+
+from .errors import abort_status
+from .normalize import read_json_body
+from .output import json_response
+from .state import ServerState
+
+__all__ = ["admin_blueprint", "version"]
+
+LOGGER = logging.getLogger("tributary.app")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("tributary")
+    except importlib.metadata.PackageNotFoundError:
+        return engine_pkg.__version__
+
+
+def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
+    bp = Blueprint("tributary_admin", __name__)
+    settings = state.settings
+
+    @bp.route("/health", methods=["GET"])
+    async def health() -> Response:
+        return Response("", status=503 if state.draining else 200, mimetype="text/plain")
+
+    @bp.route("/health_generate", methods=["GET"])
+    async def health_generate() -> Response:
+        ok = not state.draining and await _probe(engine, settings.health_check_timeout)
+        return Response("", status=200 if ok else 503, mimetype="text/plain")
+
+    @bp.route("/get_model_info", methods=["GET"])
+    @bp.route("/model_info", methods=["GET"])
+    async def model_info() -> Response:
+        info = engine.model_info
+        return json_response(
+            {
+                "model_path": info.path,
+                "tokenizer_path": info.path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": settings.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": None,
+                "architectures": None,
+                "served_model_name": engine.config.served_model_name or info.name,
+                "context_length": info.context_length,
+                "vocab_size": info.vocab_size,
+            }
+        )
+
+    @bp.route("/get_server_info", methods=["GET"])
+    @bp.route("/server_info", methods=["GET"])
+    async def server_info() -> Response:
+        info = engine.model_info
+        stats = engine.stats()
+        return json_response(
+            {
+                **dataclasses.asdict(engine.config),
+                **dataclasses.asdict(settings),
+                "model_path": info.path,
+                "served_model_name": engine.config.served_model_name or info.name,
+                "context_length": info.context_length,
+                "max_total_num_tokens": stats.kv_total_cells,
+                "max_req_input_len": info.context_length - 1,
+                "internal_states": [dataclasses.asdict(stats)],
+                "version": version(),
+            }
+        )
+
+    @bp.route("/abort_request", methods=["POST"])
+    async def abort_request() -> Response:
+        body = await read_json_body()
+        if not isinstance(body, dict):
+            raise BadRequest("The request body must be a JSON object.")
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            raise BadRequest(f"abort_all must be a boolean, got {abort_all!r}.")
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest(f"rid must be a string, got {rid!r}.")
+        if abort_all:
+            engine.abort_all()
+        elif rid:  # SGLang ignores an empty rid
+            engine.abort(rid, prefix=True)
+        return Response("", status=200, mimetype="text/plain")
+
+    @bp.route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # The engine keeps no prefix cache across requests yet, so there is nothing to drop.
+        return Response("Cache flushed.\n", status=200, mimetype="text/plain")
+
+    return bp
+
+
+async def _probe(engine: Engine, timeout: float) -> bool:
+    """SGLang's health probe: one greedy token from input_ids [0], within `timeout`."""
+    probe = GenerateRequest(
+        input_ids=[0],
+        sampling=SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}),
+        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+    )
+    try:
+        stream = engine.submit(probe)
+    except EngineError as exc:
+        LOGGER.warning("health probe rejected: %s", exc.message)
+        return False
+    with trio.move_on_after(timeout):
+        async with stream:
+            async for item in stream:
+                if isinstance(item, Done):
+                    return abort_status(item.finish_reason) is None
+        return False
+    LOGGER.warning("health probe got no output within %.1f s", timeout)
+    return False

@@ -1,0 +1,125 @@
+"""`tributary serve`: open the engine, then serve HTTP until SIGINT or SIGTERM.
+
+Shutdown: the first SIGINT/SIGTERM starts a graceful shutdown (`/health` turns 503, the
+listener closes, in-flight requests get `--graceful-timeout` seconds, then the engine aborts
+what is left and frees the model). A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+import engine
+
+from .server import open_http_server
+from .settings import ServerSettings
+
+__all__ = ["build_parser", "main", "run_server"]
+
+LOGGER = logging.getLogger("tributary.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tributary", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("serve", help="serve SGLang's /generate API over HTTP")
+    defaults = engine.EngineConfig()
+    http = ServerSettings()
+    p.add_argument(
+        "--model-path", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default=http.host)
+    p.add_argument("--port", type=int, default=http.port, help="0 picks a free port")
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    p.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests)
+    p.add_argument("--stream-interval", type=int, default=defaults.stream_interval)
+    p.add_argument(
+        "--incremental-streaming-output",
+        "--stream-output",  # SGLang's deprecated spelling
+        action="store_true",
+        help="stream deltas instead of the cumulative text",
+    )
+    p.add_argument("--runner", choices=["llama", "sim"], default=defaults.runner)
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all)")
+    p.add_argument("--weight-version", default=http.weight_version)
+    p.add_argument("--graceful-timeout", type=float, default=http.graceful_timeout)
+    p.add_argument(
+        "--log-level", default=http.log_level, choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettings]:
+    engine_config = engine.EngineConfig(
+        runner=args.runner,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
+        stream_interval=args.stream_interval,
+        threads=args.threads,
+    )
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        incremental_streaming_output=args.incremental_streaming_output,
+        weight_version=args.weight_version,
+        graceful_timeout=args.graceful_timeout,
+        log_level=args.log_level,
+    )
+    return engine_config, settings
+
+
+async def run_server(engine_config: engine.EngineConfig, settings: ServerSettings) -> None:
+    """Serve until the first SIGINT/SIGTERM (graceful), or a second one (immediate)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    if stop.is_set():
+                        LOGGER.warning("second %s: stopping now", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+                    LOGGER.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                    stop.set()
+
+            nursery.start_soon(watch_signals)
+            async with engine.open_engine(engine_config) as eng:
+                async with open_http_server(eng, settings) as urls:
+                    info = eng.model_info
+                    print(
+                        f"Tributary serving {eng.config.served_model_name or info.name} "
+                        f"({info.path}, context length {info.context_length}, "
+                        f"runner {engine_config.runner}) at {urls[0]}",
+                        flush=True,
+                    )
+                    await stop.wait()
+            LOGGER.info("shut down")
+            nursery.cancel_scope.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    engine_config, settings = configs(args)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    trio.run(run_server, engine_config, settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""How failures look on the wire. Statuses come from `engine.errors` (`error.http_status`);
+this module only shapes them.
+
+- HTTP error body (before the first byte of a response): `{"error": {"message", "code"}}`,
+  with the real status; QueueFull adds `Retry-After`.
+- Stream error item (after streaming started): the same object, plus `index` in a batch,
+  followed eventually by `data: [DONE]`.
+- Batch item failure (unary batch): the same object as that item's array entry; HTTP 200.
+- A `Done` whose finish_reason is `{"type": "abort", "status_code": N, ...}` with N not null is
+  a failure with status N (a scheduler-side rejection); an abort without a status code (client
+  abort, `/abort_request`) is an ordinary completion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Response
+
+from engine import EngineError, FinishReason, QueueFull
+
+from .output import json_response
+
+__all__ = ["abort_status", "engine_error_response", "error_object", "error_response"]
+
+
+def error_object(message: str, code: int, *, index: int | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {"error": {"message": message, "code": code}}
+    if index is not None:
+        obj["index"] = index
+    return obj
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return json_response(error_object(message, status), status=status, headers=headers)
+
+
+def engine_error_response(error: EngineError) -> Response:
+    headers = {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFull) else None
+    return error_response(error.http_status, error.message, headers)
+
+
+def abort_status(finish_reason: FinishReason) -> tuple[int, str] | None:
+    """(status, message) when `finish_reason` is an abort carrying a status code, else None."""
+    if finish_reason.get("type") != "abort":
+        return None
+    code = finish_reason.get("status_code")
+    if code is None:
+        return None
+    return int(code), finish_reason.get("message") or "request aborted"

@@ -1,0 +1,111 @@
+"""`/generate`: submit the normalized items, then drain them as one JSON object, a JSON array,
+or an SSE stream.
+
+Ownership: `submit_all` returns streams the caller must close; `handle_generate` hands them to
+`cleanup` (closed when the HTTP exchange ends, however it ends) before anything can be
+cancelled, and every drain also holds its stream in `async with`. A client that disconnects
+cancels the handler (or the stream body); leaving those blocks aborts every item at once,
+synchronously. Nothing polls for disconnects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+from quart import Response
+
+from engine import Done, Engine, Error, GenerateRequest, RequestStream
+
+from .asgi import Closeable
+from .errors import abort_status, error_object
+from .normalize import normalize_generate
+from .output import OutputAccumulator, json_response
+from .settings import ServerSettings
+from .sse import event_stream_response
+from .timing import RequestTiming
+
+__all__ = ["drain_batch", "drain_unary", "handle_generate", "submit_all"]
+
+
+def submit_all(engine: Engine, items: Sequence[GenerateRequest]) -> list[RequestStream]:
+    """Submit every item before any is drained, so the scheduler batches them.
+
+    All or nothing: if one submit raises (bad input, duplicate rid, QueueFull, ...), the items
+    already submitted are aborted and the error propagates.
+    """
+    streams: list[RequestStream] = []
+    try:
+        for item in items:
+            streams.append(engine.submit(item))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+async def drain_unary(
+    stream: RequestStream, timing: RequestTiming, *, weight_version: str
+) -> tuple[int, dict[str, Any]]:
+    """Read one item to its terminal output; return (HTTP status, response object)."""
+    acc = OutputAccumulator(stream.rid, stream.prompt_tokens, weight_version=weight_version)
+    async with stream:
+        async for item in stream:
+            if isinstance(item, Error):
+                timing.finish()
+                return item.error.http_status, error_object(
+                    item.error.message, item.error.http_status
+                )
+            timing.observe_first_output()
+            acc.add(item)
+            if isinstance(item, Done):
+                timing.finish()
+                aborted = abort_status(item.finish_reason)
+                if aborted is not None:
+                    return aborted[0], error_object(aborted[1], aborted[0])
+                return 200, acc.cumulative(
+                    finish_reason=item.finish_reason, e2e_latency=timing.e2e_latency
+                )
+    raise AssertionError("a RequestStream always ends with Done or Error")
+
+
+async def drain_batch(
+    streams: Sequence[RequestStream], timing: RequestTiming, *, weight_version: str
+) -> list[dict[str, Any]]:
+    """Drain every item concurrently; results keep request order, failures are entries."""
+    results: list[dict[str, Any]] = [{} for _ in streams]
+
+    async def drain_into(i: int) -> None:
+        _, results[i] = await drain_unary(
+            streams[i], timing.for_item(), weight_version=weight_version
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(streams)):
+            nursery.start_soon(drain_into, i)
+    return results
+
+
+async def handle_generate(
+    engine: Engine, settings: ServerSettings, body: Any, cleanup: list[Closeable]
+) -> Response:
+    """Raises `engine.EngineError` for anything wrong before the first byte."""
+    req = normalize_generate(body, vocab_size=engine.model_info.vocab_size)
+    timing = RequestTiming.start()
+    streams = submit_all(engine, req.items)
+    cleanup.extend(streams)
+    weight_version = settings.weight_version
+    if req.stream:
+        return event_stream_response(
+            streams,
+            timing,
+            batch=req.is_batch,
+            incremental=settings.incremental_streaming_output,
+            weight_version=weight_version,
+        )
+    if not req.is_batch:
+        status, obj = await drain_unary(streams[0], timing, weight_version=weight_version)
+        return json_response(obj, status=status)
+    return json_response(await drain_batch(streams, timing, weight_version=weight_version))

@@ -1,0 +1,218 @@
+"""SGLang's `GenerateReqInput` normalization: one JSON body in, a flat list of engine requests out.
+
+Synopsis::
+
+    req = normalize_generate(body, vocab_size=eng.model_info.vocab_size)
+    req.items       # list[GenerateRequest], prompt-major: [p0s0, p0s1, ..., p1s0, ...]
+    req.is_batch    # answer with a JSON array / tag stream frames with `index`
+    req.stream
+
+Rules (docs/api.md, contract section 1):
+
+- a prompt is `text` (str, or list[str] for a batch) or `input_ids` (list[int], or
+  list[list[int]]); at least one is required; when both are given the shape comes from `text`
+  and the tokens from `input_ids`, as SGLang does;
+- `sampling_params` is an object (shared) or, for a batch, a list with one object per prompt;
+- `n > 1` turns each prompt into n samples (a single prompt becomes a batch) and gives every
+  sample a fresh uuid rid;
+- `rid`: a str is used as-is for a single request and fans out as `rid_i` for a batch; a list
+  must have one str per prompt; duplicates inside one request are rejected;
+- unknown top-level keys are ignored; features this server does not implement yet (logprobs,
+  multimodal inputs, LoRA, ...) are rejected rather than silently dropped.
+
+Every failure raises `engine.BadRequest` (or its `InvalidSamplingParams` subclass) with
+SGLang's message where SGLang has one; nothing is submitted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from quart import request
+
+from engine import BadRequest, GenerateRequest, SamplingParams
+
+__all__ = ["NormalizedGenerate", "normalize_generate", "read_json_body"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizedGenerate:
+    items: list[GenerateRequest]
+    is_batch: bool
+    stream: bool
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_truthy(v) for v in value)
+    return bool(value)
+
+
+# Fields SGLang knows that change what a client gets back; accepting them silently would
+# answer a different question than the one asked. Each maps to "is it in use?".
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "input_embeds": lambda v: v is not None,
+    "image_data": lambda v: v is not None,
+    "video_data": lambda v: v is not None,
+    "audio_data": lambda v: v is not None,
+    "return_logprob": _truthy,
+    "top_logprobs_num": _truthy,
+    "token_ids_logprob": _truthy,
+    "return_hidden_states": _truthy,
+    "custom_logit_processor": lambda v: v is not None,
+    "lora_path": _truthy,
+    "session_params": lambda v: v is not None,
+}
+
+_NO_PROMPT = "Either text, input_ids or input_embeds should be provided."
+
+
+async def read_json_body() -> Any:
+    """The current request's body as JSON; malformed JSON is a `BadRequest` (400)."""
+    data = await request.get_data(as_text=False)
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"Invalid JSON in the request body: {exc}") from None
+
+
+def normalize_generate(body: Any, *, vocab_size: int) -> NormalizedGenerate:
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None and body.get("input_embeds") is None:
+        raise BadRequest(_NO_PROMPT)
+    for field, in_use in _UNSUPPORTED.items():
+        if in_use(body.get(field)):
+            raise BadRequest(f"{field} is not supported by this server yet.")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be a boolean, got {stream!r}.")
+
+    texts, ids, batch_size = _prompts(text, input_ids)
+    is_batch = batch_size is not None
+    size = batch_size if batch_size is not None else 1
+    params = _sampling(body.get("sampling_params"), size, is_batch, vocab_size)
+    n = params[0].n
+    if any(p.n != n for p in params):
+        raise BadRequest(
+            "The parallel_sample_num should be the same for all samples in sample params."
+        )
+    if n > 1:
+        is_batch = True
+    rids = _rids(body.get("rid"), size, n, is_batch)
+
+    items = []
+    for p in range(size):
+        sampling = dataclasses.replace(params[p], n=1)
+        for s in range(n):
+            items.append(
+                GenerateRequest(
+                    text=texts[p] if texts is not None else None,
+                    input_ids=ids[p] if ids is not None else None,
+                    sampling=sampling,
+                    rid=rids[p * n + s],
+                )
+            )
+    return NormalizedGenerate(items=items, is_batch=is_batch, stream=stream)
+
+
+def _prompts(
+    text: Any, input_ids: Any
+) -> tuple[list[str] | None, list[list[int]] | None, int | None]:
+    """(texts, ids, batch_size); batch_size is None for a single request."""
+    texts: list[str] | None = None
+    ids: list[list[int]] | None = None
+    batch_size: int | None = None
+    if text is not None:
+        if isinstance(text, str):
+            texts = [text]
+        elif isinstance(text, list) and all(isinstance(t, str) for t in text):
+            texts, batch_size = text, len(text)
+        else:
+            raise BadRequest(f"text must be a string or a list of strings, got {text!r}.")
+    if input_ids is not None:
+        if not isinstance(input_ids, list):
+            raise BadRequest(
+                f"input_ids must be a list of token ids or a list of lists, got {input_ids!r}."
+            )
+        if not input_ids:
+            raise BadRequest("input_ids cannot be empty.")
+        if _is_ids(input_ids):
+            ids_single = True
+            ids = [input_ids]
+        elif all(isinstance(x, list) and _is_ids(x) for x in input_ids):
+            ids_single = False
+            ids = input_ids
+        else:
+            raise BadRequest(
+                "input_ids must be a list of integers, or a list of lists of integers for "
+                "batch processing."
+            )
+        if texts is None:
+            batch_size = None if ids_single else len(ids)
+        elif len(ids) != len(texts):
+            raise BadRequest("text and input_ids must describe the same number of prompts.")
+    if batch_size == 0:
+        raise BadRequest("The batch is empty: text or input_ids must name at least one prompt.")
+    return texts, ids, batch_size
+
+
+def _is_ids(values: list[Any]) -> bool:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in values)
+
+
+def _sampling(raw: Any, size: int, is_batch: bool, vocab_size: int) -> list[SamplingParams]:
+    """One verified SamplingParams per prompt."""
+    if raw is None or isinstance(raw, dict):
+        params = SamplingParams.from_dict(raw)
+        params.verify(vocab_size)
+        return [params] * size
+    if not isinstance(raw, list) or not is_batch:
+        raise BadRequest(
+            "sampling_params must be an object, or for a batch a list with one object per prompt."
+        )
+    if len(raw) != size:
+        raise BadRequest("The length of sampling_params should be equal to the batch size.")
+    out = []
+    for entry in raw:
+        params = SamplingParams.from_dict(entry)
+        params.verify(vocab_size)
+        out.append(params)
+    return out
+
+
+def _rids(rid: Any, size: int, n: int, is_batch: bool) -> list[str | None]:
+    """One rid (or None: the engine makes one) per expanded item."""
+    num = size * n
+    if not is_batch:
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest("The rid should be a string or a list of strings.")
+        return [rid]
+    if isinstance(rid, list):
+        if len(rid) != size:
+            raise BadRequest(
+                "The specified rids length mismatch with the batch_size for batch processing."
+            )
+        if not all(isinstance(r, str) for r in rid):
+            raise BadRequest("The rid should be a string or a list of strings.")
+    elif rid is not None and not isinstance(rid, str):
+        raise BadRequest("The rid should be a string or a list of strings.")
+    if n > 1:
+        # SGLang regenerates every sample's rid, so client rids are not echoed with n > 1.
+        return [uuid.uuid4().hex for _ in range(num)]
+    if rid is None:
+        return [None] * num
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(num)]
+    dups = sorted(r for r, count in collections.Counter(rid).items() if count > 1)
+    if dups:
+        raise BadRequest(f"Duplicate request IDs detected within the request: {dups}")
+    return list(rid)

@@ -1,0 +1,100 @@
+"""Choices: one engine stream each, folded into what OpenAI's `choices[]` and `usage` report.
+
+Synopsis::
+
+    choices = await collect(streams)                 # unary: every choice to its end
+    usage_object(choices, n=req.n)                   # prompt tokens counted once per prompt
+    finish_fields(choices[0].finish_reason)          # {"finish_reason": ..., "matched_stop": ...}
+
+`collect` drains every stream concurrently in one nursery; the result keeps submission order
+(prompt-major: prompt 0's n choices, then prompt 1's, ...). The first failure (an `Error`
+item, or an abort that carries a status code) cancels the other drains, which aborts their
+requests, and is raised. A caller that is cancelled (client gone) leaves every stream's
+`async with`, which aborts each request synchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from engine import Done, EngineError, Error, FinishReason, Output, RequestStream
+
+from ..errors import abort_status
+from .errors import StatusError
+
+__all__ = ["Choice", "collect", "finish_fields", "usage_object"]
+
+
+@dataclasses.dataclass
+class Choice:
+    prompt_tokens: int
+    text: str = ""
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+    def add(self, item: Output) -> EngineError | None:
+        """Fold one engine item in; return the failure it reports, if any."""
+        if isinstance(item, Error):
+            return item.error
+        self.text += item.text
+        self.prompt_tokens = item.prompt_tokens
+        self.completion_tokens = item.completion_tokens
+        self.cached_tokens = item.cached_tokens
+        if isinstance(item, Done):
+            self.finish_reason = item.finish_reason
+            aborted = abort_status(item.finish_reason)
+            if aborted is not None:
+                return StatusError(*aborted)
+        return None
+
+
+def finish_fields(reason: FinishReason | None) -> dict[str, Any]:
+    """OpenAI's `finish_reason` (`stop`, `length`, `abort`) and SGLang's `matched_stop` (the
+    stop string or token id that ended the choice, else null)."""
+    if reason is None:
+        return {"finish_reason": None, "matched_stop": None}
+    kind = reason.get("type")
+    matched = reason.get("matched") if kind == "stop" else None
+    return {"finish_reason": kind, "matched_stop": matched}
+
+
+def usage_object(choices: Sequence[Choice], *, n: int) -> dict[str, Any]:
+    """Usage as OpenAI and vLLM count it: each prompt's tokens (and cached tokens) once, every
+    choice's completion tokens."""
+    prompts = [choices[i : i + n] for i in range(0, len(choices), n)]
+    prompt_tokens = sum(group[0].prompt_tokens for group in prompts)
+    cached = sum(max(c.cached_tokens for c in group) for group in prompts)
+    completion_tokens = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[Choice]:
+    choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
+    failures: list[EngineError | None] = [None] * len(streams)
+
+    async def drain(i: int, cancel_scope: trio.CancelScope) -> None:
+        async with streams[i] as stream:
+            async for item in stream:
+                failure = choices[i].add(item)
+                if failure is not None:
+                    failures[i] = failure
+                    cancel_scope.cancel()
+                    return
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(streams)):
+            nursery.start_soon(drain, i, nursery.cancel_scope)
+    for failure in failures:
+        if failure is not None:
+            raise failure
+    return choices

@@ -1,0 +1,111 @@
+"""`POST /v1/completions`: OpenAI's text completion over the engine.
+
+Unary::
+
+    {"id", "object": "text_completion", "created", "model",
+     "choices": [{"index", "text", "logprobs": null, "finish_reason", "matched_stop"}, ...],
+     "usage": {"prompt_tokens", "completion_tokens", "total_tokens",
+               "prompt_tokens_details": {"cached_tokens"}}}
+
+Streaming: one `text_completion` chunk per delta (`choices` holds the one choice it is
+about), the last one of each choice carrying `finish_reason`; with
+`stream_options.include_usage`, every chunk has `"usage": null` and a last chunk with empty
+`choices` carries the usage. Then `data: [DONE]`.
+
+Choices are prompt-major: choice `i` is sample `i % n` of prompt `i // n`. `echo` prefixes
+each choice's text with its prompt (token prompts are detokenized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from quart import Response
+
+from engine import Done, Frame
+
+from ..generate import submit_all
+from ..output import json_response
+from .choices import Choice, collect, finish_fields, usage_object
+from .protocol import CompletionRequest, parse_completion
+from .served import ServedModel
+from .streaming import chunk_stream_response
+
+__all__ = ["create_completion"]
+
+
+async def create_completion(served: ServedModel, body: Any, owned: list[Any]) -> Response:
+    """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte."""
+    engine = served.engine
+    req = parse_completion(body, vocab_size=engine.model_info.vocab_size)
+    served.check_model(req.model)
+    served.check_max_tokens(req)
+    echoes = _echoes(served, req) if req.echo else None
+    streams = submit_all(engine, served.expand(req.prompts, req))
+    owned.extend(streams)
+    head = {
+        "id": served.response_id("cmpl", req),
+        "object": "text_completion",
+        "created": served.created,
+        "model": served.name,
+    }
+    if req.stream:
+        return chunk_stream_response(streams, _Chunks(head, req, echoes))
+    choices = await collect(streams)
+    return json_response(
+        {
+            **head,
+            "choices": [
+                {
+                    "index": i,
+                    "text": (echoes[i] if echoes else "") + choice.text,
+                    "logprobs": None,
+                    **finish_fields(choice.finish_reason),
+                }
+                for i, choice in enumerate(choices)
+            ],
+            "usage": usage_object(choices, n=req.n),
+        }
+    )
+
+
+def _echoes(served: ServedModel, req: CompletionRequest) -> list[str]:
+    """Each choice's prompt text, for `echo`."""
+    texts = [
+        p if isinstance(p, str) else served.engine.detokenize(p, skip_special_tokens=False)
+        for p in req.prompts
+    ]
+    return [text for text in texts for _ in range(req.n)]
+
+
+class _Chunks:
+    def __init__(
+        self, head: dict[str, Any], req: CompletionRequest, echoes: list[str] | None
+    ) -> None:
+        self._head = head
+        self._n = req.n
+        self._include_usage = req.include_usage
+        self._pending_echo = dict(enumerate(echoes)) if echoes else {}
+
+    def on_output(self, index: int, item: Frame | Done, choice: Choice) -> list[dict[str, Any]]:
+        text = self._pending_echo.pop(index, "") + item.text
+        if isinstance(item, Frame):
+            if not text:
+                return []
+            return [self._chunk(index, text, {"finish_reason": None})]
+        return [self._chunk(index, text, finish_fields(choice.finish_reason))]
+
+    def on_end(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
+        if not self._include_usage:
+            return []
+        return [{**self._head, "choices": [], "usage": usage_object(choices, n=self._n)}]
+
+    def _chunk(self, index: int, text: str, finish: dict[str, Any]) -> dict[str, Any]:
+        chunk = {
+            **self._head,
+            "choices": [{"index": index, "text": text, "logprobs": None, **finish}],
+        }
+        if self._include_usage:
+            chunk["usage"] = None
+        return chunk

@@ -1,0 +1,72 @@
+"""`create_app`: the Quart-Trio application, its routes, and how errors become responses.
+
+Synopsis::
+
+    app = create_app(eng, ServerSettings(port=0))
+    async with open_http_server(app, settings) as urls: ...     # or app.test_client()
+
+Routes (docs/api.md has the wire details): `/generate` (POST, PUT) here; the endpoints around
+it in `admin.py`; OpenAI's `/v1` in `openai/`.
+
+Error handling: a handler raises `engine.EngineError` (or a subclass) for anything wrong with
+a request; one error handler turns it into `{"error": {"message", "code"}}` with the error's
+status. Quart's own HTTP errors (404, 405, 413) get the same shape, and an unexpected
+exception is logged and answered with a 500 in that shape, so every error a client sees is
+JSON it can parse.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from engine import Engine, EngineError
+
+from .admin import admin_blueprint
+from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
+from .errors import engine_error_response, error_response
+from .generate import handle_generate
+from .normalize import read_json_body
+from .openai import openai_blueprint
+from .settings import ServerSettings
+from .state import ServerState
+
+__all__ = ["create_app"]
+
+LOGGER = logging.getLogger("tributary.app")
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartTrio:
+    """Build the app for `engine`. The caller keeps the engine open while the app serves."""
+    settings = settings or ServerSettings()
+    app = QuartTrio("tributary")
+    # Streams disable the timeout per response too; unary generations can be long as well.
+    app.config["RESPONSE_TIMEOUT"] = None
+    state = ServerState(settings)
+    state.attach(app)
+    app.asgi_app = ShieldFinalSend(CloseOwned(app.asgi_app))  # type: ignore[method-assign, assignment]
+    app.register_blueprint(admin_blueprint(engine, state))
+    app.register_blueprint(openai_blueprint(engine, settings))
+
+    @app.route("/generate", methods=["POST", "PUT"])
+    async def generate() -> Response:
+        body = await read_json_body()
+        return await handle_generate(engine, settings, body, owned_by_request(request.scope))
+
+    @app.errorhandler(EngineError)
+    async def on_engine_error(error: EngineError) -> Response:
+        return engine_error_response(error)
+
+    @app.errorhandler(HTTPException)
+    async def on_http_error(error: HTTPException) -> Response:
+        return error_response(error.code or 500, error.description or error.name)
+
+    @app.errorhandler(Exception)
+    async def on_unexpected(error: Exception) -> Response:
+        LOGGER.exception("unhandled error in %s %s", request.method, request.path, exc_info=error)
+        return error_response(500, f"Internal server error: {type(error).__name__}")
+
+    return app

@@ -1,0 +1,115 @@
+"""Serving an app over HTTP inside a Trio program: `open_http_server` and `serve`.
+
+Synopsis::
+
+    async with engine.open_engine(EngineConfig()) as eng:
+        async with open_http_server(eng, ServerSettings(port=0)) as urls:
+            ...                                   # serving at urls[0] until the block exits
+
+    # or, as a service with the task_status convention:
+    urls = await nursery.start(serve, eng, ServerSettings(port=0))
+
+Lifecycle contract:
+
+- the engine must already be open (its model loaded): nothing serves before it can answer;
+- leaving the block normally is a graceful shutdown: `/health` turns 503, the listener
+  closes, in-flight requests get `settings.graceful_timeout` seconds, then anything left is
+  cancelled (and its engine work aborted);
+- cancelling the block is a hard stop within one scheduling round;
+- an error raised in the block reaches the caller as itself, not wrapped in a group.
+
+Hypercorn is configured around measured traps (trio-stack-notes 2.3, 2.4): listening sockets
+carry TCP_USER_TIMEOUT, so a peer that stops reading cannot pin a shielded write (and
+shutdown) for ever; the app runs under `ShieldFinalSend`, so keep-alive idle timeouts work.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.trio import serve as hypercorn_serve
+from quart_trio import QuartTrio
+
+from engine import Engine
+from engine.service_nursery import open_service_nursery
+
+from .routes import create_app
+from .settings import ServerSettings
+from .state import server_state
+
+__all__ = ["ServerConfig", "open_http_server", "serve"]
+
+
+class ServerConfig(Config):
+    """Hypercorn's Config whose TCP listening sockets set TCP_USER_TIMEOUT (Linux copies it to
+    every accepted socket)."""
+
+    user_timeout_ms = 30_000
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        for sock in sockets.insecure_sockets + sockets.secure_sockets:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(
+                socket, "TCP_USER_TIMEOUT"
+            ):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, self.user_timeout_ms)
+        return sockets
+
+
+def hypercorn_config(settings: ServerSettings) -> ServerConfig:
+    config = ServerConfig()
+    config.bind = [settings.bind]
+    config.accesslog = None
+    # A plain logger: the embedding program's logging config decides where it goes (hypercorn
+    # would otherwise install its own stderr handler on it).
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = settings.graceful_timeout
+    config.keep_alive_timeout = settings.keep_alive_timeout
+    config.user_timeout_ms = int(settings.tcp_user_timeout * 1000)
+    return config
+
+
+@asynccontextmanager
+async def open_http_server(
+    engine_or_app: Engine | QuartTrio, settings: ServerSettings | None = None
+) -> AsyncIterator[list[str]]:
+    """Serve until the block exits; yield the bound URLs (port 0 gives a free port).
+
+    Given an app from `create_app`, `settings` defaults to the ones it was created with.
+    """
+    if isinstance(engine_or_app, QuartTrio):
+        app = engine_or_app
+        settings = settings or server_state(app).settings
+    else:
+        settings = settings or ServerSettings()
+        app = create_app(engine_or_app, settings)
+    shutdown = trio.Event()
+    async with open_service_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            partial(
+                hypercorn_serve, app, hypercorn_config(settings), shutdown_trigger=shutdown.wait
+            )
+        )
+        try:
+            yield binds
+        finally:
+            server_state(app).draining = True
+            shutdown.set()
+
+
+async def serve(
+    engine_or_app: Engine | QuartTrio,
+    settings: ServerSettings | None = None,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled (a hard stop). Reports the bound URLs through `task_status`."""
+    async with open_http_server(engine_or_app, settings) as urls:
+        task_status.started(urls)
+        await trio.sleep_forever()

@@ -1,0 +1,42 @@
+"""`ServerSettings`: how the HTTP front end listens and shapes responses.
+
+Engine settings (model, context length, batch sizes, stream interval) live in
+`engine.EngineConfig`; these are only the HTTP side. Every field has a `tributary serve` flag or
+a documented default (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["ServerSettings"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    #: 0 picks a free port; `open_http_server` yields the URL actually bound.
+    port: int = 30000
+    #: Stream deltas instead of the cumulative text (SGLang's --incremental-streaming-output).
+    #: Counts (`completion_tokens`, ...) stay cumulative either way.
+    incremental_streaming_output: bool = False
+    #: Echoed as `meta_info.weight_version` (SGLang's --weight-version).
+    weight_version: str = "default"
+    #: Seconds in-flight requests get to finish after a graceful shutdown begins; streams
+    #: still open at the deadline are cut.
+    graceful_timeout: float = 5.0
+    #: Seconds an idle keep-alive connection stays open.
+    keep_alive_timeout: float = 5.0
+    #: TCP_USER_TIMEOUT on accepted sockets, in seconds: a peer that stops reading (zero
+    #: window) is dropped after this long instead of pinning a shielded send, and shutdown.
+    tcp_user_timeout: float = 30.0
+    #: `/health_generate` answers 503 if its one-token probe takes longer than this.
+    health_check_timeout: float = 20.0
+    #: Logged by `tributary serve`; the library never configures logging itself.
+    log_level: str = "info"
+
+    @property
+    def bind(self) -> str:
+        """Hypercorn's bind string; IPv6 literals get brackets."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"

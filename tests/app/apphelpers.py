@@ -1,0 +1,143 @@
+"""Helpers for the HTTP front end tests: sim engines, real Hypercorn servers on port 0, a
+scripted engine for outputs the sim runner cannot produce, and SSE parsing.
+
+Test modules import these with `from apphelpers import ...` (the fixtures are re-exported by
+conftest.py, which puts this directory on sys.path)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+import app
+import engine
+from engine import EngineConfig, EngineStats, GenerateRequest, ModelInfo, Output, SimLatency
+
+#: A fast sim model for wire tests: about 2.5 ms per decode step.
+FAST = SimLatency(step_base=0.002, decode_per_seq=0.0005, prefill_per_token=0.00005)
+
+
+def sim_config(**overrides: Any) -> EngineConfig:
+    settings: dict[str, Any] = {"runner": "sim", "sim_latency": FAST, "context_length": 4096}
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+def server_settings(**overrides: Any) -> app.ServerSettings:
+    settings: dict[str, Any] = {"port": 0, "graceful_timeout": 1.0}
+    settings.update(overrides)
+    return app.ServerSettings(**settings)
+
+
+@dataclasses.dataclass
+class Server:
+    eng: engine.Engine
+    url: str
+
+
+@asynccontextmanager
+async def running_server(
+    config: EngineConfig | None = None, settings: app.ServerSettings | None = None
+) -> AsyncIterator[Server]:
+    """An engine plus a real Hypercorn on an ephemeral port, shut down gracefully on exit."""
+    async with engine.open_engine(config or sim_config()) as eng:
+        async with app.open_http_server(eng, settings or server_settings()) as urls:
+            yield Server(eng, urls[0])
+
+
+@pytest.fixture
+async def sim_server() -> AsyncIterator[Server]:
+    async with running_server() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(sim_server: Server) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=sim_server.url, timeout=30) as c:
+        yield c
+
+
+def parse_sse(body: str) -> list[Any]:
+    """SSE body -> list of decoded `data:` payloads ("[DONE]" stays a string). Fails on
+    anything that is not SGLang's exact framing."""
+    assert body.endswith("\n\n"), body[-50:]
+    events = []
+    for block in body[:-2].split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def greedy(max_new_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, **extra}
+
+
+async def wait_until(predicate: Callable[[], bool], *, timeout: float = 10.0) -> None:
+    """Poll a test-side condition (the server under test never polls)."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.001)
+
+
+# -- a scripted engine ------------------------------------------------------------------------
+
+Script = Callable[[int, str], list[Output]]
+
+
+class ScriptedEngine:
+    """Stands in for `engine.Engine` where a test needs outputs the sim runner cannot make
+    (an abort with a status code, a truncated channel, a precise backlog).
+
+    `script(i, rid)` gives the items the i-th submitted request receives at once; the test can
+    send more later through `senders[i]`, or close it to truncate the stream.
+    """
+
+    def __init__(self, script: Script | None = None) -> None:
+        self.model_info = ModelInfo(
+            name="scripted",
+            path="scripted",
+            context_length=4096,
+            train_context_length=4096,
+            vocab_size=259,
+            eos_token_ids=frozenset({0, 2}),
+            eos_token_id=0,
+            bos_token_id=None,
+            chat_template=None,
+        )
+        self.config = EngineConfig(runner="sim")
+        self.script = script
+        self.requests: list[GenerateRequest] = []
+        self.senders: list[trio.MemorySendChannel[Output]] = []
+        self.aborted: list[str] = []
+
+    def submit(self, request: GenerateRequest) -> engine.RequestStream:
+        i = len(self.requests)
+        rid = request.rid or f"scripted-{i}"
+        send, recv = trio.open_memory_channel[Output](math.inf)
+        self.requests.append(request)
+        self.senders.append(send)
+        for item in self.script(i, rid) if self.script else []:
+            send.send_nowait(item)
+        return engine.RequestStream(
+            rid=rid, prompt_tokens=3, receiver=recv, abort=lambda: self.aborted.append(rid)
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=0, waiting=0, kv_used_cells=0, kv_total_cells=8192, steps=0, generated_tokens=0
+        )
+
+    def abort(self, rid: str, *, prefix: bool = False) -> int:
+        return 0
+
+    def abort_all(self) -> int:
+        return 0

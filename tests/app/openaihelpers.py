@@ -1,0 +1,37 @@
+"""Helpers for the `/v1` tests (the fixtures are in openaifixtures.py).
+
+Test modules import these with `from openaihelpers import ...` (tests/app/conftest.py puts
+this directory on sys.path)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+from apphelpers import Server
+
+from engine import EngineConfig
+
+#: The real model, small enough to load in about 0.3 s per test. One thread: on a shared
+#: 2-core machine, llama.cpp's two threads spin-wait on each other whenever another process
+#: holds a core, and a step can take seconds.
+MODEL_CONFIG = EngineConfig(context_length=2048, max_running_requests=8, threads=1)
+
+
+def sync_client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def model_name(server: Server) -> str:
+    return server.eng.config.served_model_name or server.eng.model_info.name
+
+
+def chat_body(server: Server, content: str = "What is 2+2?", **extra: Any) -> dict[str, Any]:
+    """A greedy chat request body, for raw HTTP tests."""
+    return {
+        "model": model_name(server),
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 16,
+        **extra,
+    }

@@ -1,0 +1,63 @@
+"""The two ASGI middlewares every app runs under, on fake ASGI apps (no server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from app.asgi import CloseOwned, ShieldFinalSend, owned_by_request
+
+
+class Resource:
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+async def receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+@pytest.mark.parametrize("ending", ["return", "raise", "cancel"])
+async def test_owned_resources_are_closed_however_the_exchange_ends(ending: str) -> None:
+    resource = Resource()
+
+    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        owned_by_request(scope).append(resource)
+        if ending == "raise":
+            raise RuntimeError("view failed")
+        if ending == "cancel":
+            await trio.sleep_forever()
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    with trio.move_on_after(1) as scope:
+        try:
+            await CloseOwned(inner)({"type": "http"}, receive, send)
+        except RuntimeError:
+            assert ending == "raise"
+    assert resource.closed == 1
+    assert scope.cancelled_caught == (ending == "cancel")
+
+
+async def test_only_the_final_body_send_is_shielded() -> None:
+    completed: list[str] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        await trio.sleep(0)  # a checkpoint: raises Cancelled unless shielded
+        completed.append(message["type"] + ("+more" if message.get("more_body") else ""))
+
+    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        with trio.CancelScope() as cancelled:
+            cancelled.cancel()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            with pytest.raises(trio.Cancelled):
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+
+    await ShieldFinalSend(inner)({"type": "http"}, receive, send)
+    assert completed == ["http.response.body"]

@@ -1,0 +1,144 @@
+"""`tributary serve` as a user runs it: a subprocess on the sim runner, a startup line naming
+the URL, model and context length, and a graceful exit on SIGINT/SIGTERM that lets an
+in-flight request finish."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from app.cli import build_parser, configs
+
+STARTUP = re.compile(r"Tributary serving (\S+) .*context length (\d+).* at (http://\S+)")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_serve_then_graceful_signal_shutdown(signum: signal.Signals) -> None:
+    command = [
+        sys.executable, "-m", "app.cli", "serve", "--runner", "sim", "--port", "0",
+        "--context-length", "512", "--log-level", "warning",
+    ]  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert proc.stdout is not None
+        line = b""
+        with trio.fail_after(30):
+            while b"\n" not in line:
+                line += await proc.stdout.receive_some()
+        match = STARTUP.search(line.decode())
+        assert match, line
+        model, context, url = match.groups()
+        assert model == "sim" and context == "512"
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            ok = await client.post(
+                "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+            )
+            assert ok.json()["meta_info"]["completion_tokens"] == 3
+            results: list[httpx.Response] = []
+
+            async def in_flight() -> None:
+                body = {"text": "hi", "sampling_params": {"max_new_tokens": 60}}
+                results.append(await client.post("/generate", json=body))
+
+            nursery.start_soon(in_flight)
+            await trio.sleep(0.2)  # the request is generating (60 tokens take ~0.8 s)
+            proc.send_signal(signum)
+            with trio.fail_after(15):
+                await proc.wait()
+    assert proc.returncode == 0
+    assert results[0].status_code == 200
+    assert results[0].json()["meta_info"]["completion_tokens"] == 60
+
+
+async def test_second_signal_stops_at_once() -> None:
+    command = [
+        sys.executable, "-m", "app.cli", "serve", "--runner", "sim", "--port", "0",
+        "--graceful-timeout", "60", "--log-level", "warning",
+    ]  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        url = await startup_url(proc)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            errors: list[Exception] = []
+
+            async def in_flight() -> None:
+                body = {"text": "hi", "sampling_params": {"max_new_tokens": 3000}}  # ~40 s
+                try:
+                    await client.post("/generate", json=body)
+                except httpx.HTTPError as exc:
+                    errors.append(exc)
+
+            nursery.start_soon(in_flight)
+            await trio.sleep(0.2)
+            proc.send_signal(signal.SIGINT)  # graceful: would wait up to 60 s for the request
+            await trio.sleep(0.2)
+            assert proc.returncode is None
+            start = trio.current_time()
+            proc.send_signal(signal.SIGINT)
+            with trio.fail_after(10):
+                await proc.wait()
+            assert trio.current_time() - start < 5
+    assert proc.returncode == 0
+    assert errors  # the in-flight request was cut, not completed
+
+
+async def startup_url(proc: trio.Process) -> str:
+    assert proc.stdout is not None
+    line = b""
+    with trio.fail_after(30):
+        while b"\n" not in line:
+            line += await proc.stdout.receive_some()
+    match = STARTUP.search(line.decode())
+    assert match, line
+    return match.group(3)
+
+
+def test_flags_map_to_engine_and_server_settings() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve", "--model-path", "/m.gguf", "--host", "0.0.0.0", "--port", "8000",
+            "--context-length", "2048", "--max-running-requests", "4",
+            "--max-queued-requests", "9", "--incremental-streaming-output",
+            "--stream-interval", "3", "--runner", "sim", "--threads", "2",
+            "--log-level", "debug",
+        ]
+    )  # fmt: skip
+    engine_config, settings = configs(args)
+    assert engine_config.model_path == "/m.gguf" and engine_config.runner == "sim"
+    assert engine_config.context_length == 2048 and engine_config.max_running_requests == 4
+    assert engine_config.max_queued_requests == 9 and engine_config.stream_interval == 3
+    assert engine_config.threads == 2
+    assert settings.host == "0.0.0.0" and settings.port == 8000
+    assert settings.incremental_streaming_output and settings.log_level == "debug"
+
+
+def test_defaults_match_sglang() -> None:
+    engine_config, settings = configs(build_parser().parse_args(["serve"]))
+    assert settings.port == 30000 and settings.host == "127.0.0.1"
+    assert engine_config.runner == "llama" and engine_config.model_path is None
+    assert not settings.incremental_streaming_output
+
+
+def test_operations_doc_lists_every_flag_with_its_default() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    rows = dict(re.findall(r"^\| `(--[a-z-]+)[^`]*`[^|]*\| ([^|]+) \|", doc, re.M))
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    for action in serve._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag in (None, "--help"):
+            continue
+        assert flag in rows, f"{flag} is not documented in docs/operations.md"
+        if isinstance(action.default, int | float) and not isinstance(action.default, bool):
+            assert float(rows[flag].strip("` ")) == action.default, flag

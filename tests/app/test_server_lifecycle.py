@@ -1,0 +1,135 @@
+"""`open_http_server` and `serve`: bound URLs, graceful exit, hard stop, unwrapped errors, and
+the Hypercorn traps they design around (keep-alive after a Quart-Trio response,
+TCP_USER_TIMEOUT)."""
+
+from __future__ import annotations
+
+import socket
+from functools import partial
+
+import httpx
+import pytest
+import trio
+from apphelpers import greedy, server_settings, sim_config, wait_until
+
+import app
+import engine
+
+
+async def test_port_zero_binds_a_free_port_and_serve_works_with_nursery_start() -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(partial(app.serve, eng, server_settings()))
+            assert urls[0].startswith("http://127.0.0.1:") and not urls[0].endswith(":0")
+            async with httpx.AsyncClient(base_url=urls[0]) as client:
+                assert (await client.get("/health")).status_code == 200
+            nursery.cancel_scope.cancel()
+
+
+async def test_graceful_exit_finishes_in_flight_requests_and_drains() -> None:
+    results: list[httpx.Response] = []
+    health_while_draining: list[tuple[int, int]] = []
+    async with engine.open_engine(sim_config()) as eng:
+        quart_app = app.create_app(eng, server_settings(graceful_timeout=5.0))
+
+        async def watch_health() -> None:
+            # Observed from beside the server while open_http_server waits for the drain.
+            await wait_until(lambda: app.server_state(quart_app).draining)
+            response = await quart_app.test_client().get("/health")
+            health_while_draining.append((response.status_code, eng.stats().running))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_health)
+            # No settings given: the app's own (port 0, 5 s graceful timeout) are used.
+            async with app.open_http_server(quart_app) as urls:
+                assert not urls[0].endswith(":30000")
+                client = httpx.AsyncClient(base_url=urls[0], timeout=30)
+
+                async def generate() -> None:
+                    body = {"text": "hi", "sampling_params": greedy(200)}
+                    results.append(await client.post("/generate", json=body))
+                    await client.aclose()
+
+                nursery.start_soon(generate)
+                await wait_until(lambda: eng.stats().running == 1)
+            # The block has exited: the in-flight request finished normally first.
+            assert app.server_state(quart_app).draining
+    assert results[0].status_code == 200
+    assert results[0].json()["meta_info"]["completion_tokens"] == 200
+    assert health_while_draining == [(503, 1)]  # 503 while the request was still generating
+
+
+async def test_cancelling_the_block_is_a_hard_stop() -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        errors: list[BaseException] = []
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as scope:
+                async with app.open_http_server(eng, server_settings(graceful_timeout=30)) as urls:
+
+                    async def generate() -> None:
+                        async with httpx.AsyncClient(base_url=urls[0]) as client:
+                            try:
+                                body = {"text": "hi", "sampling_params": greedy(3000)}
+                                await client.post("/generate", json=body)
+                            except httpx.HTTPError as exc:
+                                errors.append(exc)
+
+                    nursery.start_soon(generate)
+                    await wait_until(lambda: eng.stats().running == 1)
+                    cancelled_at = trio.current_time()
+                    scope.cancel()
+            assert trio.current_time() - cancelled_at < 1.0  # not the 30 s graceful timeout
+        assert errors and isinstance(errors[0], httpx.RemoteProtocolError | httpx.ReadError)
+        await wait_until(lambda: eng.stats().running == 0)
+
+
+async def test_errors_in_the_block_reach_the_caller_unwrapped() -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        with pytest.raises(KeyError, match="boom"):
+            async with app.open_http_server(eng, server_settings()):
+                raise KeyError("boom")
+
+
+async def test_idle_keep_alive_connection_is_closed_after_a_response() -> None:
+    # Without ShieldFinalSend the idle timer is never armed after a Quart-Trio response and
+    # the connection would stay open until shutdown (trio-stack-notes 2.3).
+    async with engine.open_engine(sim_config()) as eng:
+        async with app.open_http_server(eng, server_settings(keep_alive_timeout=0.5)) as urls:
+            host, port = urls[0].removeprefix("http://").split(":")
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                response = await stream.receive_some()
+                assert response.startswith(b"HTTP/1.1 200")
+                start = trio.current_time()
+                with trio.fail_after(3):
+                    while await stream.receive_some():
+                        pass  # anything else is the rest of the response; EOF is the close
+                assert 0.4 < trio.current_time() - start < 2.0
+
+
+def test_listening_sockets_carry_tcp_user_timeout() -> None:
+    config = app.ServerConfig()
+    config.bind = ["127.0.0.1:0"]
+    config.user_timeout_ms = 12_345
+    sockets = config.create_sockets()
+    try:
+        (sock,) = sockets.insecure_sockets
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 12_345
+    finally:
+        for sock in sockets.insecure_sockets:
+            sock.close()
+
+
+def test_settings_bind_brackets_ipv6() -> None:
+    assert app.ServerSettings(host="::1", port=8).bind == "[::1]:8"
+    assert app.ServerSettings(host="0.0.0.0", port=8).bind == "0.0.0.0:8"
+
+
+async def test_a_port_in_use_is_a_plain_oserror() -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        async with app.open_http_server(eng, server_settings()) as urls:
+            port = int(urls[0].rsplit(":", 1)[1])
+            with pytest.raises(OSError):
+                async with app.open_http_server(eng, server_settings(port=port)):
+                    pass  # pragma: no cover - never reached
