@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all)")
     p.add_argument("--weight-version", default=http.weight_version)
     p.add_argument("--graceful-timeout", type=float, default=http.graceful_timeout)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument(
         "--log-level", default=http.log_level, choices=["debug", "info", "warning", "error"]
     )
@@ -74,6 +75,7 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         incremental_streaming_output=args.incremental_streaming_output,
         weight_version=args.weight_version,
         graceful_timeout=args.graceful_timeout,
+        api_key=args.api_key,
         log_level=args.log_level,
     )
     return engine_config, settings

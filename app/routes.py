@@ -17,6 +17,7 @@ JSON it can parse.
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from quart import Response, request
@@ -31,6 +32,7 @@ from .errors import engine_error_response, error_response
 from .generate import handle_generate
 from .normalize import read_json_body
 from .openai import openai_blueprint
+from .openai.errors import StatusError, Unauthorized, openai_error_response
 from .settings import ServerSettings
 from .state import ServerState
 
@@ -51,6 +53,18 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     app.register_blueprint(admin_blueprint(engine, state))
     app.register_blueprint(openai_blueprint(engine, settings))
 
+    if settings.api_key:
+        api_key = settings.api_key.encode()
+
+        @app.before_request
+        async def check_api_key() -> None:
+            # As SGLang: health probes stay open; everything else needs the key.
+            if request.method == "OPTIONS" or request.path.startswith("/health"):
+                return
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), api_key):
+                raise Unauthorized()
+
     @app.route("/generate", methods=["POST", "PUT"])
     async def generate() -> Response:
         body = await read_json_body()
@@ -62,6 +76,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:
+        # Unrouted paths and wrong methods never reach a blueprint's handlers: answer
+        # under /v1 in OpenAI's error shape, elsewhere in SGLang's.
+        if request.path.startswith("/v1/"):
+            return openai_error_response(
+                StatusError(error.code or 500, error.description or error.name)
+            )
         return error_response(error.code or 500, error.description or error.name)
 
     @app.errorhandler(Exception)

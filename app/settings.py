@@ -32,6 +32,9 @@ class ServerSettings:
     tcp_user_timeout: float = 30.0
     #: `/health_generate` answers 503 if its one-token probe takes longer than this.
     health_check_timeout: float = 20.0
+    #: When set, every request except `/health*` must send `Authorization: Bearer <key>`
+    #: (SGLang's --api-key); others get 401.
+    api_key: str | None = None
     #: Logged by `tributary serve`; the library never configures logging itself.
     log_level: str = "info"
 

@@ -11,7 +11,6 @@ errors, and unexpected exceptions as a logged 500) is answered in OpenAI's shape
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from typing import Any
@@ -26,7 +25,7 @@ from ..output import json_response
 from ..settings import ServerSettings
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import InvalidRequest, StatusError, Unauthorized, openai_error_response
+from .errors import InvalidRequest, StatusError, openai_error_response
 from .served import ServedModel
 
 __all__ = ["openai_blueprint"]
@@ -37,16 +36,7 @@ LOGGER = logging.getLogger("tributary.openai")
 def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> Blueprint:
     """The OpenAI-compatible API for `engine`; register it on the app serving that engine."""
     served = ServedModel.for_engine(engine)
-    api_key: str | None = getattr(settings, "api_key", None)
     bp = Blueprint("openai", __name__, url_prefix="/v1")
-
-    if api_key:
-
-        @bp.before_request
-        async def check_api_key() -> None:
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                raise Unauthorized()
 
     @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:

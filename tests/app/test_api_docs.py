@@ -25,7 +25,8 @@ MODEL = EngineConfig(context_length=2048, max_running_requests=8, threads=1)
 def curl_examples() -> list[tuple[str, int]]:
     """(command, expected status) for every ```bash block of the page."""
     examples = []
-    for block in re.findall(r"```bash\n(.*?)```", API_DOC.read_text(), re.S):
+    native = API_DOC.read_text().split("\n## OpenAI-compatible API\n")[0]
+    for block in re.findall(r"```bash\n(.*?)```", native, re.S):
         lines = block.strip().splitlines()
         status = 200
         command: list[str] = []
