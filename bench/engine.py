@@ -4,7 +4,8 @@ loop that calls `llama_decode` on the same batch shapes with no scheduler at all
     .venv/bin/python bench/engine.py [--tokens 64] [--repeats 3] [--concurrency 1 4 16]
 
 Both sides use the same model, context parameters, prompts, prefill chunking and greedy C
-sampler, and run alternately in one process (these machines are noisy, so only a side-by-side
+sampler, and the same OS thread for llama.cpp calls (one OpenMP team: see ComputeThread in
+engine/runners/llama.py), and run alternately in one process (these machines are noisy, so only a side-by-side
 comparison means anything). The raw loop is the ceiling: any gap is scheduler, channel and
 Trio overhead. Writes docs/benchmarks/engine.json.
 """
@@ -26,7 +27,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine
-from engine.runners.llama import default_model_path
+from engine.runners.llama import compute_thread, default_model_path
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "engine.json"
 TOPICS = [
@@ -190,15 +191,16 @@ async def main() -> None:
     for c in args.concurrency:
         cfg = config(c)
         texts = prompts(c)
-        raw = RawLoop(cfg)
+        compute = compute_thread()
+        raw = await compute.run(RawLoop, cfg)
         eng_rates, raw_rates = [], []
         async with engine.open_engine(cfg) as eng:
             await engine_run(eng, texts, 4)  # warm-up both
-            raw.run(texts, 4)
+            await compute.run(raw.run, texts, 4)
             for _ in range(args.repeats):
                 eng_rates.append(await engine_run(eng, texts, args.tokens))
-                raw_rates.append(await trio.to_thread.run_sync(raw.run, texts, args.tokens))
-        raw.close()
+                raw_rates.append(await compute.run(raw.run, texts, args.tokens))
+        await compute.run(raw.close)
         e, r = statistics.median(eng_rates), statistics.median(raw_rates)
         rows.append(
             {

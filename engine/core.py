@@ -34,13 +34,13 @@ __all__ = ["Engine", "open_engine"]
 async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
     """Load the model, run the scheduler, and yield the `Engine`.
 
-    Loading happens in a worker thread, so the calling Trio program stays responsive. When
+    Loading happens off the event loop (for llama.cpp, on its compute thread), so the calling Trio program stays responsive. When
     the block exits (normally, by error or by cancellation), every request still in flight
     ends with an abort (status 503), the scheduler stops after its current step, and the
     model is freed. Errors raised in the block reach the caller unwrapped.
     """
     config = config or EngineConfig()
-    runner = await trio.to_thread.run_sync(load_runner, config)
+    runner = await open_runner(config)
     try:
         engine = Engine(runner, config)
         async with open_service_nursery() as nursery:
@@ -54,8 +54,17 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
         runner.close()
 
 
+async def open_runner(config: EngineConfig) -> Runner:
+    """Build the runner `config.runner` names, off the event loop."""
+    if config.runner == "llama":
+        from .runners.llama import LlamaRunner, compute_thread
+
+        return await compute_thread().run(LlamaRunner.load, config)
+    return load_runner(config)
+
+
 def load_runner(config: EngineConfig) -> Runner:
-    """Build the runner `config.runner` names. Blocking: call it in a thread."""
+    """Build the runner `config.runner` names. Blocking (llama: call it on its compute thread)."""
     if config.runner == "sim":
         from .runners.sim import SimRunner
 

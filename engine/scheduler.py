@@ -19,6 +19,7 @@ what a consumer has not read is bounded by its own request's length.
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 from collections.abc import Callable, Iterator
 
@@ -113,7 +114,9 @@ class Scheduler:
         self.kv_total_cells = kv_total_cells
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
-        self._free_slots = list(range(self.max_running - 1, -1, -1))
+        # Lowest free slot first: llama.cpp splits a step into one graph per run of
+        # consecutive sequence ids, so compact slots mean fewer graphs per step.
+        self._free_slots = list(range(self.max_running))
         self._eos = runner.info.eos_token_ids
         self._wakeup = trio.Event()
         self._on_finish: list[Callable[[Sequence], None]] = []
@@ -182,7 +185,7 @@ class Scheduler:
             if seq.max_new_tokens == 0:
                 self._finish(seq, length_reason(0))
                 continue
-            seq.slot = self._free_slots.pop()
+            seq.slot = heapq.heappop(self._free_slots)
             self.runner.open_sequence(seq.slot, seq.params)
             self.running.append(seq)
 
@@ -243,7 +246,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.slot is not None:
             self.runner.close_sequence(seq.slot)
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
             self.running.remove(seq)
             seq.slot = None
         seq.emit_done(reason)
@@ -258,7 +261,7 @@ class Scheduler:
         for seq in list(self.running):
             assert seq.slot is not None
             self.runner.close_sequence(seq.slot)
-            self._free_slots.append(seq.slot)
+            heapq.heappush(self._free_slots, seq.slot)
             self.running.remove(seq)
             seq.slot = None
             seq.emit_error(error)

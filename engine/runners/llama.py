@@ -6,8 +6,10 @@ KV removal, one C sampler chain per request). Facts it relies on, measured on th
 
 - Weight repacking (`use_extra_bufts`) makes every decode segfault on AMX Xeons, and is no
   faster for Q4 weights here, so it is off unless `repack_weights` asks for it.
-- ctypes releases the GIL during `llama_decode`, so a step runs in a worker thread and the
-  event loop keeps serving HTTP meanwhile.
+- ctypes releases the GIL during `llama_decode`, so a step runs in another thread and the
+  event loop keeps serving HTTP meanwhile. That thread is always the same one
+  (`ComputeThread`): llama.cpp is built with OpenMP here, and a second OpenMP team halves
+  decode speed.
 - `llama_set_abort_callback` would stop every sequence in the shared context, so aborted
   sequences are dropped between steps instead (the scheduler's job).
 
@@ -16,6 +18,8 @@ pool would fit more short requests in the same memory, but it breaks batch invar
 one pool, a sequence's attention sums run over cells at offsets that depend on the other
 sequences, and greedy output then changes with the batch (measured: 2 of 5 chat prompts
 diverged within 48 tokens when run beside copies of themselves; none with split streams).
+The price of split streams: llama.cpp cuts a batch into one graph per run of consecutive
+sequence ids, so the batch goes in id order and the scheduler hands out the lowest free slot.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ import importlib.util
 import logging
 import math
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import llama_cpp
+import outcome
 import trio
 
 from ..config import EngineConfig
@@ -115,6 +123,7 @@ class LlamaRunner:
         self._ctx = ctx
         self._memory = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_init(self._max_step_tokens, 0, 1)
+
         self._samplers: dict[int, ctypes.c_void_p] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._kv_used = 0
@@ -219,14 +228,17 @@ class LlamaRunner:
     # -- steps --------------------------------------------------------------------------
 
     async def step(self, plan: Sequence[SeqStep]) -> list[int]:
-        # Not abandoned on cancel: the model must not be freed while a decode runs.
-        return await trio.to_thread.run_sync(self._step_sync, plan)
+        return await compute_thread().run(self._step_sync, plan)
 
     def _step_sync(self, plan: Sequence[SeqStep]) -> list[int]:
         batch = self._batch
         n = 0
-        outputs: list[tuple[SeqStep, int]] = []
-        for s in plan:
+        outputs: dict[int, tuple[SeqStep, int]] = {}  # plan index -> (step, batch index)
+        # With one KV stream per sequence, llama.cpp cuts a batch into separate graphs at
+        # every break in ascending, consecutive sequence ids; so the batch goes in id order.
+        order = sorted(range(len(plan)), key=lambda i: plan[i].seq_id)
+        for i in order:
+            s = plan[i]
             for j, token in enumerate(s.tokens):
                 batch.token[n] = token
                 batch.pos[n] = s.start_pos + j
@@ -236,14 +248,14 @@ class LlamaRunner:
                 n += 1
             if s.sample:
                 batch.logits[n - 1] = 1
-                outputs.append((s, n - 1))
+                outputs[i] = (s, n - 1)
         assert n <= self._max_step_tokens, "the scheduler planned more than one batch"
         batch.n_tokens = n
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             raise RunnerFailure(f"llama_decode failed with status {rc}")
         sampled = []
-        for s, idx in outputs:
+        for _, (s, idx) in sorted(outputs.items()):
             if s.suppress:
                 logits = llama_cpp.llama_get_logits_ith(self._ctx, idx)
                 for token in s.suppress:
@@ -285,6 +297,63 @@ class LlamaRunner:
             if n < size:
                 return buf.value.decode("utf-8", errors="replace")
             size = n + 1
+
+
+_T = TypeVar("_T")
+
+
+class ComputeThread:
+    """The one OS thread that runs every llama.cpp load and decode in this process.
+
+    llama.cpp is built with OpenMP here, and OpenMP gives each calling OS thread its own team
+    of workers. Once a process has more OpenMP workers than cores, libgomp stops spinning at
+    barriers and sleeps on futexes instead, and ggml passes hundreds of barriers per decode.
+    Decodes issued from Trio's thread cache land on different threads, so that happens as soon
+    as two cache threads have decoded: measured, a 4-sequence step went from 19.5 ms to
+    40.8 ms and stayed there. One thread for all compute keeps one team.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="llama-compute", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run `fn(*args)` on the compute thread and return its result.
+
+        Cancellation waits for the call to finish (a decode takes at most a step), then takes
+        effect at the caller's next checkpoint: the model is never freed under a running
+        decode.
+        """
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        result: list[outcome.Outcome[_T]] = []
+
+        def job() -> None:
+            result.append(outcome.capture(fn, *args))
+            token.run_sync_soon(done.set)
+
+        self._jobs.put(job)
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return result[0].unwrap()
+
+
+_compute_thread: ComputeThread | None = None
+_compute_lock = threading.Lock()
+
+
+def compute_thread() -> ComputeThread:
+    """The process's compute thread, started on first use; it lives as long as the process."""
+    global _compute_thread
+    with _compute_lock:
+        if _compute_thread is None:
+            _compute_thread = ComputeThread()
+        return _compute_thread
 
 
 def _token_or_none(token: int) -> int | None:
