@@ -10,39 +10,28 @@ Each event is `data: <json>\\n\\n`; the stream ends with one `data: [DONE]\\n\\n
 - A failure (an `Error` item, or an abort carrying a status code) becomes an
   `{"error": {...}}` item, after any output not yet sent; the other items carry on.
 
-Structure: `EventStreamBody` is a Quart `ResponseBody`. Quart drives it as
-`async with body: async for chunk in body: send(chunk)`, so the nursery opened in
-`__aenter__` and closed in `__aexit__` nests properly in the responding task (an async
-generator holding a nursery across `yield` would not). One pump task per item moves engine
-items into a single channel, recording each item's timing the moment the engine delivers; the
-iterator renders whatever backlog is waiting as one chunk. Leaving the body early (client
-gone: `Cancelled`) cancels the pumps and aborts every unfinished item synchronously.
+Structure: `EventStreamBody` is a `MultiplexedBody` (app/multiplex.py): one pump task per
+item, each item's timing recorded the moment the engine delivers, and whatever backlog is
+waiting rendered as one chunk. Leaving the body early aborts every unfinished item.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
-import trio
 from quart import Response
-from quart.wrappers.response import ResponseBody
 
 from engine import Done, Error, Frame, Output, RequestStream
-from engine.service_nursery import open_service_nursery
 
 from .errors import abort_status, error_object
+from .multiplex import MultiplexedBody, sse_response
 from .output import OutputAccumulator, encode_json
 from .timing import RequestTiming
 
 __all__ = ["DONE", "EventStreamBody", "event_stream_response", "sse_event"]
 
 DONE = b"data: [DONE]\n\n"
-
-# Proxies (nginx) buffer responses unless told otherwise; a buffered token stream is useless.
-_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse_event(obj: Any) -> bytes:
@@ -57,17 +46,14 @@ def event_stream_response(
     incremental: bool,
     weight_version: str,
 ) -> Response:
-    body = EventStreamBody(
-        streams, timing, batch=batch, incremental=incremental, weight_version=weight_version
+    return sse_response(
+        EventStreamBody(
+            streams, timing, batch=batch, incremental=incremental, weight_version=weight_version
+        )
     )
-    response = Response(body, mimetype="text/event-stream", headers=_HEADERS)
-    # Quart-Trio cuts any response after RESPONSE_TIMEOUT (60 s) without a word; a long
-    # generation is not a stuck one.
-    response.timeout = None
-    return response
 
 
-class EventStreamBody(ResponseBody):
+class EventStreamBody(MultiplexedBody):
     def __init__(
         self,
         streams: Sequence[RequestStream],
@@ -77,7 +63,7 @@ class EventStreamBody(ResponseBody):
         incremental: bool,
         weight_version: str,
     ) -> None:
-        self._streams = list(streams)
+        super().__init__(streams)
         self._timings = [timing.for_item() for _ in streams]
         self._accs = [
             OutputAccumulator(s.rid, s.prompt_tokens, weight_version=weight_version)
@@ -85,64 +71,25 @@ class EventStreamBody(ResponseBody):
         ]
         self._batch = batch
         self._incremental = incremental
-        self._send, self._recv = trio.open_memory_channel[tuple[int, Output]](math.inf)
-        self._nursery_cm = open_service_nursery()
-        self._nursery: trio.Nursery | None = None
         self._ended = False
 
-    async def __aenter__(self) -> EventStreamBody:
-        self._nursery = await self._nursery_cm.__aenter__()
-        async with self._send:
-            for index, stream in enumerate(self._streams):
-                self._nursery.start_soon(self._pump, index, stream, self._send.clone())
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        assert self._nursery is not None
-        # Cancel first: a pump blocked in receive must see Cancelled, not the
-        # ClosedResourceError that closing its stream under it would raise.
-        self._nursery.cancel_scope.cancel()
-        for stream in self._streams:
-            stream.close()
-        self._recv.close()
-        await self._nursery_cm.__aexit__(exc_type, exc, tb)
-
-    def __aiter__(self) -> EventStreamBody:
-        return self
+    def on_item(self, index: int, item: Output) -> None:
+        timing = self._timings[index]
+        if not isinstance(item, Error):
+            timing.observe_first_output()
+        if isinstance(item, Done | Error):
+            timing.finish()
 
     async def __anext__(self) -> bytes:
         while not self._ended:
-            try:
-                backlog = [await self._recv.receive()]
-            except trio.EndOfChannel:
+            backlog = await self.next_backlog()
+            if backlog is None:
                 self._ended = True
                 return DONE
-            while True:
-                try:
-                    backlog.append(self._recv.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
             chunk = self._render(backlog)
             if chunk:
                 return chunk
         raise StopAsyncIteration
-
-    async def _pump(
-        self, index: int, stream: RequestStream, send: trio.MemorySendChannel[tuple[int, Output]]
-    ) -> None:
-        timing = self._timings[index]
-        async with send, stream:
-            async for item in stream:
-                if not isinstance(item, Error):
-                    timing.observe_first_output()
-                if isinstance(item, Done | Error):
-                    timing.finish()
-                send.send_nowait((index, item))
 
     def _render(self, backlog: list[tuple[int, Output]]) -> bytes:
         out: list[bytes] = []

@@ -5,9 +5,9 @@ loop that calls `llama_decode` on the same batch shapes with no scheduler at all
 
 Both sides use the same model, context parameters, prompts, prefill chunking and greedy C
 sampler, and the same OS thread for llama.cpp calls (one OpenMP team: see ComputeThread in
-engine/runners/llama.py), and run alternately in one process (these machines are noisy, so only a side-by-side
-comparison means anything). The raw loop is the ceiling: any gap is scheduler, channel and
-Trio overhead. Writes docs/benchmarks/engine.json.
+engine/runners/llama.py), and run alternately in one process (these machines are noisy, so
+only a side-by-side comparison means anything). The raw loop is the ceiling: any gap is
+scheduler, channel and Trio overhead. Writes docs/benchmarks/engine.json.
 """
 
 from __future__ import annotations

@@ -34,10 +34,11 @@ __all__ = ["Engine", "open_engine"]
 async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
     """Load the model, run the scheduler, and yield the `Engine`.
 
-    Loading happens off the event loop (for llama.cpp, on its compute thread), so the calling Trio program stays responsive. When
-    the block exits (normally, by error or by cancellation), every request still in flight
-    ends with an abort (status 503), the scheduler stops after its current step, and the
-    model is freed. Errors raised in the block reach the caller unwrapped.
+    Loading happens off the event loop (for llama.cpp, on its compute thread), so the calling
+    Trio program stays responsive. When the block exits (normally, by error or by
+    cancellation), every request still in flight ends with an abort (status 503), the
+    scheduler stops after its current step, and the model is freed. Errors raised in the
+    block reach the caller unwrapped.
     """
     config = config or EngineConfig()
     runner = await open_runner(config)

@@ -11,9 +11,7 @@ errors, and unexpected exceptions as a logged 500) is answered in OpenAI's shape
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any
 
 from quart import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
@@ -21,11 +19,12 @@ from werkzeug.exceptions import HTTPException
 from engine import Engine, EngineError
 
 from ..asgi import owned_by_request
+from ..normalize import read_json_body
 from ..output import json_response
 from ..settings import ServerSettings
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import InvalidRequest, StatusError, openai_error_response
+from .errors import StatusError, openai_error_response
 from .served import ServedModel
 
 __all__ = ["openai_blueprint"]
@@ -40,12 +39,12 @@ def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> 
 
     @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:
-        body = await _json_body()
+        body = await read_json_body()
         return await create_completion(served, body, owned_by_request(request.scope))
 
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
-        body = await _json_body()
+        body = await read_json_body()
         return await create_chat_completion(served, body, owned_by_request(request.scope))
 
     @bp.route("/models", methods=["GET"])
@@ -74,11 +73,3 @@ def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> 
         )
 
     return bp
-
-
-async def _json_body() -> Any:
-    data = await request.get_data(as_text=False)
-    try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"Invalid JSON in the request body: {exc}") from None

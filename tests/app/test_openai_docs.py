@@ -1,5 +1,5 @@
-"""Run the examples in the OpenAI section of docs/api.md (the official client and the curl commands) against a
-real server, so the page stays true."""
+"""Run the examples in the OpenAI section of docs/api.md (the official client and the curl
+commands) against a real server, so the page stays true."""
 
 from __future__ import annotations
 
