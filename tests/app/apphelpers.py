@@ -24,6 +24,19 @@ from engine import EngineConfig, EngineStats, GenerateRequest, ModelInfo, Output
 #: A fast sim model for wire tests: about 2.5 ms per decode step.
 FAST = SimLatency(step_base=0.002, decode_per_seq=0.0005, prefill_per_token=0.00005)
 
+#: meta_info keys every /generate response carries, in SGLang's order (before
+#: e2e_latency, which only terminal outputs add).
+META_KEYS = [
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "weight_version",
+    "num_retractions",
+    "reasoning_tokens",
+    "completion_tokens",
+    "cached_tokens",
+]
+
 
 def sim_config(**overrides: Any) -> EngineConfig:
     settings: dict[str, Any] = {"runner": "sim", "sim_latency": FAST, "context_length": 4096}

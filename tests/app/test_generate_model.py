@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from apphelpers import Server, parse_sse, running_server, server_settings, wait_until
+from apphelpers import META_KEYS, Server, parse_sse, running_server, server_settings, wait_until
 
 import app
 from engine import EngineConfig
@@ -19,17 +19,6 @@ pytestmark = pytest.mark.model
 #: Small context so the model loads fast; one thread because llama.cpp's threads spin-wait on
 #: each other when another process holds one of the two cores.
 MODEL = EngineConfig(context_length=2048, max_running_requests=8, threads=1)
-
-META_KEYS = [
-    "id",
-    "finish_reason",
-    "prompt_tokens",
-    "weight_version",
-    "num_retractions",
-    "reasoning_tokens",
-    "completion_tokens",
-    "cached_tokens",
-]
 
 
 @pytest.fixture

@@ -9,18 +9,15 @@ from typing import Any
 
 import httpx
 import trio
-from apphelpers import Server, greedy, parse_sse, running_server, server_settings, sim_config
-
-META_KEYS = [
-    "id",
-    "finish_reason",
-    "prompt_tokens",
-    "weight_version",
-    "num_retractions",
-    "reasoning_tokens",
-    "completion_tokens",
-    "cached_tokens",
-]
+from apphelpers import (
+    META_KEYS,
+    Server,
+    greedy,
+    parse_sse,
+    running_server,
+    server_settings,
+    sim_config,
+)
 
 
 async def timed_post(
