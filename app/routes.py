@@ -47,7 +47,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     app = QuartTrio("tributary")
     # Streams disable the timeout per response too; unary generations can be long as well.
     app.config["RESPONSE_TIMEOUT"] = None
-    state = ServerState(settings)
+    state = ServerState(engine, settings)
     state.attach(app)
     app.asgi_app = ShieldFinalSend(CloseOwned(app.asgi_app))  # type: ignore[method-assign, assignment]
     app.register_blueprint(admin_blueprint(engine, state))

@@ -13,8 +13,10 @@ Lifecycle contract:
 
 - the engine must already be open (its model loaded): nothing serves before it can answer;
 - leaving the block normally is a graceful shutdown: `/health` turns 503, the listener
-  closes, in-flight requests get `settings.graceful_timeout` seconds, then anything left is
-  cancelled (and its engine work aborted);
+  closes, and in-flight requests get `settings.graceful_timeout` seconds. At 80% of that,
+  whatever is still generating is aborted with status 503, so a stream still open ends with
+  an error item and `[DONE]` and a unary request gets a 503, instead of a cut connection; at
+  the deadline anything left is cancelled;
 - cancelling the block is a hard stop within one scheduling round;
 - an error raised in the block reaches the caller as itself, not wrapped in a group.
 
@@ -29,7 +31,6 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 
 import trio
 from hypercorn.config import Config, Sockets
@@ -89,18 +90,30 @@ async def open_http_server(
     else:
         settings = settings or ServerSettings()
         app = create_app(engine_or_app, settings)
+    state = server_state(app)
     shutdown = trio.Event()
     async with open_service_nursery() as nursery:
-        binds: list[str] = await nursery.start(
-            partial(
-                hypercorn_serve, app, hypercorn_config(settings), shutdown_trigger=shutdown.wait
+
+        async def run_hypercorn(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            config = hypercorn_config(settings)
+            await hypercorn_serve(
+                app, config, shutdown_trigger=shutdown.wait, task_status=task_status
             )
-        )
+            nursery.cancel_scope.cancel()  # drained: stop the leftover timer below
+
+        binds: list[str] = await nursery.start(run_hypercorn)
         try:
             yield binds
         finally:
-            server_state(app).draining = True
+            state.draining = True
             shutdown.set()
+            nursery.start_soon(_abort_leftovers, state.engine, settings.graceful_timeout)
+
+
+async def _abort_leftovers(engine: Engine, graceful_timeout: float) -> None:
+    """End what still generates near the graceful deadline with a 503 the client can read."""
+    await trio.sleep(graceful_timeout * 0.8)
+    engine.abort_all(message="The server is shutting down.", status_code=503)
 
 
 async def serve(

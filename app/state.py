@@ -7,6 +7,8 @@ import dataclasses
 
 from quart_trio import QuartTrio
 
+from engine import Engine
+
 from .settings import ServerSettings
 
 __all__ = ["ServerState", "server_state"]
@@ -16,6 +18,8 @@ _STATE_KEY = "tributary"
 
 @dataclasses.dataclass
 class ServerState:
+    #: The engine the app serves.
+    engine: Engine
     #: The settings the app was created with; `open_http_server(app)` listens with them.
     settings: ServerSettings
     #: Set when a graceful shutdown begins; `/health` answers 503 from then on, so load

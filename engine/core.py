@@ -166,22 +166,37 @@ class Engine:
             abort=lambda: self._scheduler.mark_abort(seq, abort_reason()),
         )
 
-    def abort(self, rid: str, *, prefix: bool = False) -> int:
+    def abort(
+        self,
+        rid: str,
+        *,
+        prefix: bool = False,
+        message: str = "Aborted",
+        status_code: int | None = None,
+    ) -> int:
         """Abort the in-flight request `rid` (or, with `prefix`, every rid starting with it,
-        as SGLang's scheduler matches). Returns how many were aborted. Their streams end with
-        a `Done` whose finish_reason is an abort."""
+        as SGLang's scheduler matches). Returns how many were aborted.
+
+        Their streams end with a `Done` whose finish_reason is
+        `{"type": "abort", "message", "status_code", "err_type"}`. Without a status code that
+        is a normal ending (SGLang answers 200); with one, HTTP reports that status.
+        """
         if prefix:
             seqs = [s for r, s in self._live.items() if r.startswith(rid)]
         else:
             seqs = [self._live[rid]] if rid in self._live else []
-        for seq in seqs:
-            self._scheduler.mark_abort(seq, abort_reason())
-        return len(seqs)
+        return self._abort(seqs, message, status_code)
 
-    def abort_all(self) -> int:
-        seqs = list(self._live.values())
+    def abort_all(self, *, message: str = "Aborted", status_code: int | None = None) -> int:
+        """Abort every request in flight; see `abort`."""
+        return self._abort(list(self._live.values()), message, status_code)
+
+    def _abort(self, seqs: list[Sequence], message: str, status_code: int | None) -> int:
+        err_type = None if status_code is None else "aborted"
         for seq in seqs:
-            self._scheduler.mark_abort(seq, abort_reason())
+            self._scheduler.mark_abort(
+                seq, abort_reason(message, status_code=status_code, err_type=err_type)
+            )
         return len(seqs)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:

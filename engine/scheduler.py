@@ -136,7 +136,11 @@ class Scheduler:
         seq.abort = reason
         if seq.slot is None:
             self.waiting.remove(seq)
-            self._finish(seq, abort_reason("Abort in waiting queue"))
+            # SGLang's wording for a plain abort of a queued request; a reason with a status
+            # code (shutdown, say) is kept, since it decides what HTTP reports.
+            if reason["status_code"] is None:
+                reason = abort_reason("Abort in waiting queue")
+            self._finish(seq, reason)
         self._wakeup.set()
 
     def on_finish(self, callback: Callable[[Sequence], None]) -> None:

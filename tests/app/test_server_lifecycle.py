@@ -10,7 +10,7 @@ from functools import partial
 import httpx
 import pytest
 import trio
-from apphelpers import greedy, server_settings, sim_config, wait_until
+from apphelpers import greedy, parse_sse, server_settings, sim_config, wait_until
 
 import app
 import engine
@@ -133,3 +133,37 @@ async def test_a_port_in_use_is_a_plain_oserror() -> None:
             with pytest.raises(OSError):
                 async with app.open_http_server(eng, server_settings(port=port)):
                     pass  # pragma: no cover - never reached
+
+
+async def test_requests_outliving_the_graceful_timeout_end_with_a_readable_503() -> None:
+    """Near the graceful deadline, leftovers are aborted with status 503: a stream ends with
+    an error item and [DONE], a unary request gets a 503 body; nothing is cut mid-response."""
+    streamed: list[str] = []
+    unary: list[httpx.Response] = []
+    async with engine.open_engine(sim_config()) as eng:
+        settings = server_settings(graceful_timeout=1.0)
+        async with trio.open_nursery() as nursery:
+            async with app.open_http_server(eng, settings) as urls:
+                client = httpx.AsyncClient(base_url=urls[0], timeout=30)
+
+                async def stream() -> None:
+                    body = {"text": "hi", "stream": True, "sampling_params": greedy(4000)}
+                    async with client.stream("POST", "/generate", json=body) as response:
+                        streamed.append((await response.aread()).decode())
+
+                async def generate() -> None:
+                    body = {"text": "hi", "sampling_params": greedy(4000)}
+                    unary.append(await client.post("/generate", json=body))
+
+                nursery.start_soon(stream)
+                nursery.start_soon(generate)
+                await wait_until(lambda: eng.stats().running == 2)
+            shut_at = trio.current_time()
+        # Both ended at 80% of the graceful timeout, not at the deadline.
+        assert trio.current_time() - shut_at < 1.0
+        await client.aclose()
+    events = parse_sse(streamed[0])
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "The server is shutting down.", "code": 503}}
+    assert unary[0].status_code == 503
+    assert unary[0].json() == {"error": {"message": "The server is shutting down.", "code": 503}}
