@@ -8,6 +8,7 @@ what is left and frees the model). A second signal stops at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -17,6 +18,7 @@ import trio
 
 import engine
 
+from .loading import bound_port, serve_until_loaded
 from .server import open_http_server
 from .settings import ServerSettings
 
@@ -97,7 +99,13 @@ async def run_server(engine_config: engine.EngineConfig, settings: ServerSetting
                     stop.set()
 
             nursery.start_soon(watch_signals)
+            # The port answers 503 while the model loads, then the real server takes it over.
+            loaded, released = trio.Event(), trio.Event()
+            loading_urls = await nursery.start(serve_until_loaded, settings, loaded, released)
+            settings = dataclasses.replace(settings, port=bound_port(loading_urls[0]))
             async with engine.open_engine(engine_config) as eng:
+                loaded.set()
+                await released.wait()
                 async with open_http_server(eng, settings) as urls:
                     info = eng.model_info
                     print(
@@ -119,8 +127,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    trio.run(run_server, engine_config, settings)
-    return 0
+    failures: list[BaseException] = []
+    try:
+        trio.run(run_server, engine_config, settings)
+    except* (OSError, ValueError, engine.EngineError) as group:
+        # A model that is not there, a context it cannot take, a port in use: say so plainly.
+        failures.extend(group.exceptions)
+    for failure in failures:
+        print(f"tributary: error: {failure}", file=sys.stderr)
+    return 2 if failures else 0
 
 
 if __name__ == "__main__":
