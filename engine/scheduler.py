@@ -172,7 +172,7 @@ class Scheduler:
                 try:
                     sampled = await self.runner.step(plan)
                 except Exception as exc:
-                    self._fail_batch(sampling, exc)
+                    self._fail_step(plan, exc)
                     continue
                 self.steps += 1
                 self._commit(sampling, sampled)
@@ -248,29 +248,32 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._release(seq)
+        seq.emit_done(reason)
+        self._forget(seq)
+
+    def _fail_step(self, plan: list[SeqStep], exc: Exception) -> None:
+        """A failed forward pass leaves its sequences' KV in an unknown state: fail exactly
+        those (with a 500); sequences that were not in the step carry on."""
+        error = exc if isinstance(exc, EngineError) else RunnerFailure(f"runner failed: {exc!r}")
+        slots = {step.seq_id for step in plan}
+        failed = [seq for seq in self.running if seq.slot in slots]
+        LOGGER.error("runner step failed; failing its %d sequences", len(failed), exc_info=exc)
+        for seq in failed:
+            self._release(seq)
+            seq.emit_error(error)
+            self._forget(seq)
+
+    def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
             self.runner.close_sequence(seq.slot)
             heapq.heappush(self._free_slots, seq.slot)
             self.running.remove(seq)
             seq.slot = None
-        seq.emit_done(reason)
+
+    def _forget(self, seq: Sequence) -> None:
         for callback in self._on_finish:
             callback(seq)
-
-    def _fail_batch(self, sampling: list[Sequence], exc: Exception) -> None:
-        error = exc if isinstance(exc, EngineError) else RunnerFailure(f"runner failed: {exc!r}")
-        LOGGER.error(
-            "runner step failed; failing its %d sequences", len(self.running), exc_info=exc
-        )
-        for seq in list(self.running):
-            assert seq.slot is not None
-            self.runner.close_sequence(seq.slot)
-            heapq.heappush(self._free_slots, seq.slot)
-            self.running.remove(seq)
-            seq.slot = None
-            seq.emit_error(error)
-            for callback in self._on_finish:
-                callback(seq)
 
     def _shutdown(self) -> None:
         reason = abort_reason(

@@ -317,3 +317,17 @@ async def test_closing_a_generator_around_the_stream_aborts(
         await agen.aclose()
         await trio.sleep(step_cost(decoding=1) * 1.01)
         assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
+
+
+async def test_runner_failure_spares_sequences_outside_the_failed_step(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # An 8-token prefill budget: step 1 holds only the first prompt, and step 1 fails.
+    config = sim_config(prefill_chunk_tokens=8, sim_fail_at_step=1)
+    async with engine.open_engine(config) as eng:
+        in_step = eng.submit(request("a" * 8, max_new_tokens=4))
+        waiting_for_budget = eng.submit(request("b" * 8, max_new_tokens=4))
+        failed = (await collect(in_step))[-1][1]
+        spared = (await collect(waiting_for_budget))[-1][1]
+    assert isinstance(failed, Error) and failed.error.http_status == 500
+    assert isinstance(spared, Done) and spared.completion_tokens == 4
