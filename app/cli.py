@@ -100,6 +100,7 @@ async def run_server(engine_config: engine.EngineConfig, settings: ServerSetting
 
             nursery.start_soon(watch_signals)
             # The port answers 503 while the model loads, then the real server takes it over.
+            LOGGER.info("loading %s", engine_config.model_path or "SmolLM2-135M-Instruct")
             loaded, released = trio.Event(), trio.Event()
             loading_urls = await nursery.start(serve_until_loaded, settings, loaded, released)
             settings = dataclasses.replace(settings, port=bound_port(loading_urls[0]))
