@@ -132,6 +132,12 @@ class Engine:
         info = self._runner.info
         params = request.sampling
         params.verify(info.vocab_size)
+        if params.n != 1:
+            # Silently running one sample for n > 1 would be a wrong answer, not a degraded one.
+            raise BadRequest(
+                f"n={params.n}: the engine runs one sample per request; submit n requests "
+                "(the HTTP layer expands n this way)."
+            )
         prompt_ids = self._prompt_ids(request)
         rid = request.rid if request.rid is not None else uuid.uuid4().hex
         if rid in self._live:

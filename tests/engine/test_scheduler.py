@@ -331,3 +331,10 @@ async def test_runner_failure_spares_sequences_outside_the_failed_step(
         spared = (await collect(waiting_for_budget))[-1][1]
     assert isinstance(failed, Error) and failed.error.http_status == 500
     assert isinstance(spared, Done) and spared.completion_tokens == 4
+
+
+async def test_parallel_samples_are_the_callers_to_expand(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        with pytest.raises(engine.BadRequest, match="submit n requests"):
+            eng.submit(request(n=3))
+        assert eng.stats().waiting == 0
