@@ -15,7 +15,16 @@ import trio
 from quart import Blueprint, Response
 
 import engine as engine_pkg
-from engine import BadRequest, Done, Engine, EngineError, GenerateRequest, SamplingParams
+from engine import (
+    BadRequest,
+    Done,
+    Engine,
+    EngineError,
+    Error,
+    GenerateRequest,
+    QueueFull,
+    SamplingParams,
+)
 
 from .errors import abort_status
 from .normalize import read_json_body
@@ -100,7 +109,7 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
         if abort_all:
             engine.abort_all()
         elif rid:  # SGLang ignores an empty rid
-            engine.abort(rid, prefix=True)
+            engine.abort(rid, fanout=True)
         return Response("", status=200, mimetype="text/plain")
 
     @bp.route("/flush_cache", methods=["GET", "POST"])
@@ -111,23 +120,55 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
     return bp
 
 
+#: How often a health probe looks for output from other requests.
+PROGRESS_POLL = 0.05
+
+
 async def _probe(engine: Engine, timeout: float) -> bool:
-    """SGLang's health probe: one greedy token from input_ids [0], within `timeout`."""
+    """SGLang's health probe: one greedy token from input_ids [0], within `timeout`.
+
+    As in SGLang, any output counts: a busy engine passes as soon as it produces a token for
+    anyone, so a full house (or a full queue) never reads as a dead server. The probe's own
+    failure, or silence for `timeout`, is a 503.
+    """
+    tokens_before = engine.stats().generated_tokens
     probe = GenerateRequest(
         input_ids=[0],
         sampling=SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}),
         rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
     )
+    stream = None
     try:
         stream = engine.submit(probe)
+    except QueueFull:
+        pass  # busy, not broken: other requests' progress decides
     except EngineError as exc:
         LOGGER.warning("health probe rejected: %s", exc.message)
         return False
-    with trio.move_on_after(timeout):
+    verdict: list[bool] = []
+
+    async def own_output() -> None:
+        assert stream is not None
         async with stream:
             async for item in stream:
-                if isinstance(item, Done):
-                    return abort_status(item.finish_reason) is None
-        return False
-    LOGGER.warning("health probe got no output within %.1f s", timeout)
-    return False
+                if isinstance(item, Done | Error):
+                    ok = isinstance(item, Done) and abort_status(item.finish_reason) is None
+                    verdict.append(ok)
+                    nursery.cancel_scope.cancel()
+
+    async def anyones_output() -> None:
+        while engine.stats().generated_tokens == tokens_before:
+            await trio.sleep(PROGRESS_POLL)
+        verdict.append(True)
+        nursery.cancel_scope.cancel()
+
+    with trio.move_on_after(timeout):
+        async with trio.open_nursery() as nursery:
+            if stream is not None:
+                nursery.start_soon(own_output)
+            nursery.start_soon(anyones_output)
+    if stream is not None:
+        stream.close()
+    if not verdict:
+        LOGGER.warning("health probe: no output from the engine within %.1f s", timeout)
+    return bool(verdict) and verdict[0]

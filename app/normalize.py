@@ -73,12 +73,25 @@ _NO_PROMPT = "Either text, input_ids or input_embeds should be provided."
 
 
 async def read_json_body() -> Any:
-    """The current request's body as JSON; malformed JSON is a `BadRequest` (400)."""
+    """The current request's body as JSON; anything that is not usable JSON is a
+    `BadRequest` (400), never a 500 later on."""
     data = await request.get_data(as_text=False)
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"Invalid JSON in the request body: {exc}") from None
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers malformed JSON, bad UTF-8 and integers over Python's 4,300-digit
+        # limit; RecursionError, nesting deeper than the parser's stack.
+        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise BadRequest(f"Invalid JSON in the request body: {reason}") from None
+    try:
+        # JSON may spell unpaired UTF-16 surrogates ("\\ud800"), which are not Unicode: they
+        # would fail much later, when the response is encoded (a 500, or a cut stream).
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise BadRequest(
+            "Invalid JSON in the request body: a string holds an unpaired UTF-16 surrogate."
+        ) from None
+    return body
 
 
 def normalize_generate(body: Any, *, vocab_size: int) -> NormalizedGenerate:

@@ -12,6 +12,7 @@ Synopsis::
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -176,21 +177,22 @@ class Engine:
         self,
         rid: str,
         *,
-        prefix: bool = False,
+        fanout: bool = False,
         message: str = "Aborted",
         status_code: int | None = None,
     ) -> int:
-        """Abort the in-flight request `rid` (or, with `prefix`, every rid starting with it,
-        as SGLang's scheduler matches). Returns how many were aborted.
+        """Abort the in-flight request `rid`; with `fanout`, also the items a batch fanned
+        out from it (`rid_0`, `rid_1`, ...), never other rids that merely share a prefix.
+        Returns how many were aborted.
 
         Their streams end with a `Done` whose finish_reason is
         `{"type": "abort", "message", "status_code", "err_type"}`. Without a status code that
         is a normal ending (SGLang answers 200); with one, HTTP reports that status.
         """
-        if prefix:
-            seqs = [s for r, s in self._live.items() if r.startswith(rid)]
-        else:
-            seqs = [self._live[rid]] if rid in self._live else []
+        seqs = [self._live[rid]] if rid in self._live else []
+        if fanout:
+            family = re.compile(re.escape(rid) + r"_\d+")
+            seqs += [s for r, s in self._live.items() if family.fullmatch(r)]
         return self._abort(seqs, message, status_code)
 
     def abort_all(self, *, message: str = "Aborted", status_code: int | None = None) -> int:

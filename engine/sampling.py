@@ -154,6 +154,14 @@ _BOOL_KEYS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_token
 _STR_KEYS = {"json_schema", "regex", "ebnf", "structural_tag"}
 
 
+def _finite_float(key: str, value: int | float) -> float:
+    """A JSON number as a float; integers too large for one are a 400, not an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        _fail(f"{key} is out of range, got a number with {len(str(value))} digits.")
+
+
 def _coerce(key: str, value: Any) -> Any:
     """Check one value's JSON type and convert it to the field's Python type."""
     if key in _INT_KEYS:
@@ -167,7 +175,7 @@ def _coerce(key: str, value: Any) -> Any:
     if key in _FLOAT_KEYS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(f"{key} must be a number, got {value!r}.")
-        return float(value)
+        return _finite_float(key, value)
     if key in _BOOL_KEYS:
         if not isinstance(value, bool):
             _fail(f"{key} must be a boolean, got {value!r}.")
@@ -205,7 +213,9 @@ def _coerce(key: str, value: Any) -> Any:
                 _fail(f"logit_bias keys must be token ids, got {k!r}.")
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 _fail(f"logit_bias values must be numbers, got {v!r}.")
-            bias[token_id] = float(v)
+            bias[token_id] = _finite_float("logit_bias values", v)
+            if not math.isfinite(bias[token_id]):
+                _fail(f"logit_bias values must be finite numbers, got {v!r}.")
         return bias
     if key == "custom_params":
         if not isinstance(value, Mapping):

@@ -134,6 +134,9 @@ class Scheduler:
         if seq.finished or seq.abort is not None:
             return
         seq.abort = reason
+        # Its rid is free at once: a client that timed out may retry with the same rid
+        # before the next step boundary reaps the old sequence.
+        self._forget(seq)
         if seq.slot is None:
             self.waiting.remove(seq)
             # SGLang's wording for a plain abort of a queued request; a reason with a status

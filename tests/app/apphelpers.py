@@ -149,8 +149,8 @@ class ScriptedEngine:
             running=0, waiting=0, kv_used_cells=0, kv_total_cells=8192, steps=0, generated_tokens=0
         )
 
-    def abort(self, rid: str, *, prefix: bool = False) -> int:
+    def abort(self, rid: str, **options: Any) -> int:
         return 0
 
-    def abort_all(self) -> int:
+    def abort_all(self, **options: Any) -> int:
         return 0

@@ -137,16 +137,46 @@ async def test_invalid_sampling_value(
         await assert_400_then_healthy(small_context_client, response, message)
 
 
-@pytest.mark.parametrize(
-    "raw", [b"{bad", b"", b"\xff\xfe", b'{"text": "hi"'], ids=["syntax", "empty", "bytes", "cut"]
-)
+HOSTILE_JSON = {
+    "syntax": b"{bad",
+    "empty": b"",
+    "bytes": b"\xff\xfe",
+    "cut": b'{"text": "hi"',
+    "5000-digit integer": b'{"text": "hi", "sampling_params": {"temperature": 1'
+    + b"0" * 5000
+    + b"}}",
+    "nested 100000 deep": b"[" * 100_000,
+    "surrogate in rid": b'{"text": "hi", "rid": "a\\ud800"}',
+    "surrogate in text": b'{"text": "hi\\udfff", "stream": true}',
+}
+
+
+@pytest.mark.parametrize("raw", HOSTILE_JSON.values(), ids=HOSTILE_JSON.keys())
 async def test_malformed_json(small_context_client: httpx.AsyncClient, raw: bytes) -> None:
+    for path in ("/generate", "/v1/completions"):
+        response = await small_context_client.post(
+            path, content=raw, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 400, (path, response.text)
+        assert "Invalid JSON in the request body" in response.json()["error"]["message"]
     response = await small_context_client.post(
         "/generate", content=raw, headers={"content-type": "application/json"}
     )
     await assert_400_then_healthy(
         small_context_client, response, "Invalid JSON in the request body"
     )
+
+
+async def test_numbers_too_large_for_a_float_are_a_400(
+    small_context_client: httpx.AsyncClient,
+) -> None:
+    huge = b"1" + b"0" * 400
+    for sampling in (b'{"temperature": ' + huge + b"}", b'{"logit_bias": {"5": ' + huge + b"}}"):
+        raw = b'{"text": "hi", "sampling_params": ' + sampling + b"}"
+        response = await small_context_client.post(
+            "/generate", content=raw, headers={"content-type": "application/json"}
+        )
+        await assert_400_then_healthy(small_context_client, response, "out of range")
 
 
 async def test_prompt_longer_than_context(small_context_client: httpx.AsyncClient) -> None:

@@ -111,3 +111,26 @@ async def test_generate_after_the_engine_closed_is_503() -> None:
     body = await response.get_json()
     assert body == {"error": {"message": "The engine is shutting down.", "code": 503}}
     assert (await quart_app.test_client().get("/health_generate")).status_code == 503
+
+
+@pytest.mark.parametrize("queue_full", [False, True], ids=["slots full", "queue full"])
+async def test_health_generate_passes_on_a_busy_server(
+    autojump_clock: trio.abc.Clock, queue_full: bool
+) -> None:
+    """As SGLang: any output counts, so a server whose slots (or queue) are taken by long
+    generations is healthy, not a 503 that would get it restarted."""
+    config = sim_config(max_running_requests=2, max_queued_requests=1 if queue_full else 8)
+    async with engine.open_engine(config) as eng:
+        long = engine.SamplingParams.from_dict(greedy(3000))
+        streams = []
+        for _ in range(3 if queue_full else 2):
+            streams.append(eng.submit(engine.GenerateRequest(text="busy", sampling=long)))
+            await trio.sleep(0.01)  # admitted: the third waits, and fills the queue
+        assert eng.stats().running == 2 and eng.stats().waiting == (1 if queue_full else 0)
+        settings = app.ServerSettings(health_check_timeout=2.0)
+        start = trio.current_time()
+        response = await app.create_app(eng, settings).test_client().get("/health_generate")
+        assert response.status_code == 200
+        assert trio.current_time() - start < 0.5  # at the first step, not after the timeout
+        for stream in streams:
+            stream.close()

@@ -245,22 +245,33 @@ async def test_17_abort_all_ends_running_and_queued_requests() -> None:
     assert all(o["text"] for o in running)
 
 
-async def test_abort_request_by_rid_prefix(sim_server: Server, client: httpx.AsyncClient) -> None:
+async def test_abort_request_aborts_the_rid_and_its_batch_items_only(
+    sim_server: Server, client: httpx.AsyncClient
+) -> None:
     body = {"text": ["x", "y"], "rid": "job", "sampling_params": greedy(3000)}
+    bystander = {"text": "z", "rid": "job-12", "sampling_params": greedy(200)}
     async with trio.open_nursery() as nursery:
         results: list[Any] = []
+        spared: list[Any] = []
 
         async def run() -> None:
             results.append((await client.post("/generate", json=body)).json())
 
+        async def run_bystander() -> None:
+            async with httpx.AsyncClient(base_url=sim_server.url, timeout=30) as own:
+                spared.append((await own.post("/generate", json=bystander)).json())
+
         nursery.start_soon(run)
-        await _wait_running(sim_server, 2)
+        nursery.start_soon(run_bystander)
+        await _wait_running(sim_server, 3)
         async with httpx.AsyncClient(base_url=sim_server.url) as other:
             response = await other.post("/abort_request", json={"rid": "job"})
         assert response.status_code == 200 and response.text == ""
     items = results[0]
     assert [i["meta_info"]["id"] for i in items] == ["job_0", "job_1"]
     assert all(i["meta_info"]["finish_reason"]["type"] == "abort" for i in items)
+    # "job-12" shares the prefix but is another client's request: it ran to its end.
+    assert spared[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
 
 
 async def test_23_runner_failure_is_one_batch_entry() -> None:

@@ -173,7 +173,8 @@ async def test_abort_by_rid_ends_stream_with_abort_reason(autojump_clock: trio.a
         async with running:
             await running.__anext__()
             assert eng.abort("run-1") == 1
-            assert eng.abort("queued", prefix=True) == 1
+            assert eng.abort("queued", fanout=True) == 0  # a shared prefix is not a family
+            assert eng.abort("queued-1", fanout=True) == 1
             rest = [item async for item in running]
         running_done = rest[-1]
         assert isinstance(running_done, Done)
@@ -338,3 +339,24 @@ async def test_parallel_samples_are_the_callers_to_expand(autojump_clock: trio.a
         with pytest.raises(engine.BadRequest, match="submit n requests"):
             eng.submit(request(n=3))
         assert eng.stats().waiting == 0
+
+
+async def test_a_rid_is_free_again_as_soon_as_its_request_is_aborted(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A client that gave up may retry with the same rid at once, before the next step
+    boundary has reaped the old sequence."""
+    async with engine.open_engine(sim_config()) as eng:
+        first = eng.submit(GenerateRequest(text="a", rid="again"))
+        async with first:
+            await first.__anext__()
+        retry = await collect(eng.submit(GenerateRequest(text="a", rid="again")))
+        assert isinstance(retry[-1][1], Done)
+
+
+async def test_huge_and_non_finite_numbers_are_rejected() -> None:
+    with pytest.raises(engine.InvalidSamplingParams, match="out of range"):
+        SamplingParams.from_dict({"temperature": 10**400})
+    for bad in (float("nan"), float("inf"), 10**400):
+        with pytest.raises(engine.InvalidSamplingParams, match="logit_bias"):
+            SamplingParams.from_dict({"logit_bias": {"5": bad}})
