@@ -86,6 +86,7 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
             {
                 **dataclasses.asdict(engine.config),
                 **dataclasses.asdict(settings),
+                "api_key": "***" if settings.api_key else None,  # never echo a secret
                 "model_path": info.path,
                 "served_model_name": engine.config.served_model_name or info.name,
                 "context_length": info.context_length,

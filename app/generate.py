@@ -92,7 +92,11 @@ async def handle_generate(
     engine: Engine, settings: ServerSettings, body: Any, cleanup: list[Closeable]
 ) -> Response:
     """Raises `engine.EngineError` for anything wrong before the first byte."""
-    req = normalize_generate(body, vocab_size=engine.model_info.vocab_size)
+    req = normalize_generate(
+        body,
+        vocab_size=engine.model_info.vocab_size,
+        max_items=engine.capacity,
+    )
     timing = RequestTiming.start()
     streams = submit_all(engine, req.items)
     cleanup.extend(streams)

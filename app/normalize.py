@@ -94,7 +94,29 @@ async def read_json_body() -> Any:
     return body
 
 
-def normalize_generate(body: Any, *, vocab_size: int) -> NormalizedGenerate:
+def check_fan_out(count: int, max_items: int | None) -> None:
+    """A request that expands to more items than the engine takes at once can never be
+    admitted: a 400 that says so, not a "retry later" 503 it would retry for ever. Checked
+    before expanding, so a huge `n` costs nothing."""
+    if max_items is not None and count > max_items:
+        raise BadRequest(
+            f"The request expands to {count} generations (prompts x n), more than this server "
+            f"takes at once ({max_items}: --max-running-requests + --max-queued-requests); "
+            "split it into smaller ones."
+        )
+
+
+def seeded_sample(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The params of sample `index` of n: with a seed, each sample gets seed + index (as
+    vLLM does), so n samples are n different draws and the whole response is reproducible."""
+    if sampling.sampling_seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, sampling_seed=sampling.sampling_seed + index)
+
+
+def normalize_generate(
+    body: Any, *, vocab_size: int, max_items: int | None = None
+) -> NormalizedGenerate:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -120,6 +142,7 @@ def normalize_generate(body: Any, *, vocab_size: int) -> NormalizedGenerate:
         )
     if n > 1:
         is_batch = True
+    check_fan_out(size * n, max_items)
     rids = _rids(body.get("rid"), size, n, is_batch)
 
     items = []
@@ -130,7 +153,7 @@ def normalize_generate(body: Any, *, vocab_size: int) -> NormalizedGenerate:
                 GenerateRequest(
                     text=texts[p] if texts is not None else None,
                     input_ids=ids[p] if ids is not None else None,
-                    sampling=sampling,
+                    sampling=seeded_sample(sampling, s),
                     rid=rids[p * n + s],
                 )
             )

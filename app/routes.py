@@ -24,7 +24,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from engine import Engine, EngineError
+from engine import Engine, EngineClosed, EngineError
 
 from .admin import admin_blueprint
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
@@ -39,6 +39,9 @@ from .state import ServerState
 __all__ = ["create_app"]
 
 LOGGER = logging.getLogger("tributary.app")
+
+#: Routes that start generations: refused with 503 once a graceful shutdown has begun.
+_GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartTrio:
@@ -61,28 +64,39 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
             # As SGLang: health probes stay open; everything else needs the key.
             if request.method == "OPTIONS" or request.path.startswith("/health"):
                 return
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), api_key):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            # The scheme name is case-insensitive (RFC 7235); the key itself is not.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), api_key
+            ):
                 raise Unauthorized()
+
+    @app.before_request
+    async def refuse_new_work_while_draining() -> None:
+        # Keep-alive connections can still carry new requests after shutdown began; they
+        # would only be aborted at the deadline, so say no now (health probes still answer).
+        if state.draining and request.path in _GENERATION_PATHS:
+            raise EngineClosed("The server is shutting down.")
 
     @app.route("/generate", methods=["POST", "PUT"])
     async def generate() -> Response:
         body = await read_json_body()
         return await handle_generate(engine, settings, body, owned_by_request(request.scope))
 
+    # Errors of requests that no blueprint routed (unknown /v1 paths, wrong methods, a missing
+    # API key there) reach these app-level handlers: under /v1 they answer in OpenAI's error
+    # shape, elsewhere in SGLang's.
     @app.errorhandler(EngineError)
     async def on_engine_error(error: EngineError) -> Response:
+        if request.path.startswith("/v1/"):
+            return openai_error_response(error)
         return engine_error_response(error)
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException) -> Response:
-        # Unrouted paths and wrong methods never reach a blueprint's handlers: answer
-        # under /v1 in OpenAI's error shape, elsewhere in SGLang's.
-        if request.path.startswith("/v1/"):
-            return openai_error_response(
-                StatusError(error.code or 500, error.description or error.name)
-            )
-        return error_response(error.code or 500, error.description or error.name)
+        return await on_engine_error(
+            StatusError(error.code or 500, error.description or error.name)
+        )
 
     @app.errorhandler(Exception)
     async def on_unexpected(error: Exception) -> Response:

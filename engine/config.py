@@ -36,7 +36,8 @@ class EngineConfig:
     #: Sequences decoded together (llama.cpp sequence ids). Each gets its own KV cache of
     #: context_length cells (about 23 KB a cell for SmolLM2: 8 x 8192 cells is 1.5 GB).
     max_running_requests: int = 8
-    #: Requests allowed to wait for a running slot; beyond it submit raises QueueFull.
+    #: Requests allowed to wait for a running slot (beyond those that take a free slot at
+    #: once); beyond it submit raises QueueFull.
     max_queued_requests: int = 256
     #: Prompt tokens processed per step (chunked prefill): the longest a prompt can stall
     #: running decodes is one step of this many tokens.

@@ -102,6 +102,12 @@ class Engine:
         self._closed = False
 
     @property
+    def capacity(self) -> int:
+        """The most requests the engine takes at once: running slots plus queue places. A
+        batch larger than this can never be accepted whole."""
+        return self.config.max_running_requests + self.config.max_queued_requests
+
+    @property
     def model_info(self) -> ModelInfo:
         return self._runner.info
 
@@ -144,7 +150,7 @@ class Engine:
         if rid in self._live:
             raise DuplicateRequestId(rid)
         max_new = _check_context(len(prompt_ids), params.max_new_tokens, info.context_length)
-        if len(self._scheduler.waiting) >= self.config.max_queued_requests:
+        if self._scheduler.queue_depth() >= self.config.max_queued_requests:
             raise QueueFull(
                 f"The request queue is full ({self.config.max_queued_requests} waiting); "
                 "retry later."

@@ -146,6 +146,11 @@ class Scheduler:
             self._finish(seq, reason)
         self._wakeup.set()
 
+    def queue_depth(self) -> int:
+        """Requests that will have to wait for a slot: submitted requests sit in `waiting`
+        until the next step boundary even when slots are free, so free slots are subtracted."""
+        return len(self.waiting) - (self.max_running - len(self.running))
+
     def on_finish(self, callback: Callable[[Sequence], None]) -> None:
         self._on_finish.append(callback)
 

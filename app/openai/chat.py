@@ -18,6 +18,7 @@ every chunk and a last chunk with empty `choices` and the usage. Then `data: [DO
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +54,7 @@ async def create_chat_completion(served: ServedModel, body: Any, owned: list[Any
     head = {
         "id": served.response_id("chatcmpl", req),
         "object": "chat.completion",
-        "created": served.created,
+        "created": int(time.time()),  # when this completion was created
         "model": served.name,
     }
     if req.stream:

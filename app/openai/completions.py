@@ -18,6 +18,7 @@ each choice's text with its prompt (token prompts are detokenized).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ async def create_completion(served: ServedModel, body: Any, owned: list[Any]) ->
     head = {
         "id": served.response_id("cmpl", req),
         "object": "text_completion",
-        "created": served.created,
+        "created": int(time.time()),  # when this completion was created
         "model": served.name,
     }
     if req.stream:

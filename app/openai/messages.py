@@ -18,7 +18,7 @@ from .errors import InvalidRequest
 
 __all__ = ["CHAT_ROLES", "parse_messages"]
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def parse_messages(raw: Any) -> list[dict[str, str]]:
@@ -47,6 +47,8 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
                 raise InvalidRequest(
                     f"{where}.{key} is not supported by this server yet.", param=f"{where}.{key}"
                 )
+        # OpenAI's newer name for the system role; chat templates know only "system".
+        role = "system" if role == "developer" else role
         entry = {"role": role, "content": _content(message.get("content"), where)}
         name = message.get("name")
         if name is not None:

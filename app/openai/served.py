@@ -22,6 +22,7 @@ import jinja2
 
 from engine import Engine, GenerateRequest
 
+from ..normalize import check_fan_out, seeded_sample
 from .chat_template import ChatTemplate
 from .errors import InvalidRequest, ModelNotFound, NoChatTemplate
 from .protocol import OpenAIRequest
@@ -101,6 +102,7 @@ class ServedModel:
         A client `rid` names the only request as-is, or fans out as `rid_0`, `rid_1`, ...
         (so `/abort_request` with the rid, a prefix match, aborts them all)."""
         count = len(prompts) * req.n
+        check_fan_out(count, self.engine.capacity)
         rids: list[str | None]
         if req.rid is None:
             rids = [None] * count
@@ -115,7 +117,7 @@ class ServedModel:
                     GenerateRequest(
                         text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None,
-                        sampling=req.sampling,
+                        sampling=seeded_sample(req.sampling, s),
                         rid=rids[p * req.n + s],
                     )
                 )

@@ -127,6 +127,7 @@ class ScriptedEngine:
             chat_template=None,
         )
         self.config = EngineConfig(runner="sim")
+        self.capacity = self.config.max_running_requests + self.config.max_queued_requests
         self.script = script
         self.requests: list[GenerateRequest] = []
         self.senders: list[trio.MemorySendChannel[Output]] = []

@@ -17,11 +17,12 @@ from apphelpers import (
     running_server,
     server_settings,
     sim_config,
+    wait_until,
 )
 from openaihelpers import chat_body, model_name
 
 import app
-from engine import Done, Error, Frame, RunnerFailure
+from engine import Done, Error, Frame, GenerateRequest, RunnerFailure, SamplingParams
 
 pytest_plugins = ["openaifixtures"]  # model_server, http, aclient
 
@@ -53,7 +54,7 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
         "wrong-role",
         {"messages": [{"role": "robot", "content": "hi"}]},
         400,
-        "role must be one of 'system', 'user', 'assistant'",
+        "role must be one of 'system', 'developer', 'user', 'assistant'",
         "messages[0].role",
     ),
     (
@@ -211,13 +212,24 @@ async def test_no_chat_template_is_a_clear_400(sim_server: Server) -> None:
 
 
 async def test_queue_full_is_a_503_with_retry_after() -> None:
-    async with running_server(sim_config(max_queued_requests=0)) as server:
+    # Two slots, no queue, one slot busy: the first choice takes the free slot, the second
+    # has nowhere to wait.
+    config = sim_config(max_running_requests=2, max_queued_requests=0)
+    async with running_server(config) as server:
+        busy = server.eng.submit(
+            GenerateRequest(
+                text="busy", sampling=SamplingParams.from_dict({"max_new_tokens": 3000})
+            )
+        )
+        await wait_until(lambda: server.eng.stats().running == 1)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             response = await client.post("/v1/completions", json={"prompt": "hi", "n": 2})
             error = assert_openai_error(response, 503, contains="queue is full")
             assert error["type"] == "server_error"
             assert response.headers["retry-after"] == "1"
             assert server.eng.stats().waiting == 0  # all or nothing: no choice was submitted
+            assert server.eng.stats().running == 1
+        busy.close()
 
 
 # -- failures after submit (scripted engine) ----------------------------------------------------

@@ -148,3 +148,14 @@ def test_engine_validation_applies() -> None:
     assert completion(max_tokens=0).sampling.max_new_tokens == 0  # with echo: the prompt
     with pytest.raises(BadRequest, match="must be a JSON object"):
         parse_completion(["hi"], vocab_size=VOCAB)
+
+
+def test_developer_role_is_the_system_role() -> None:
+    body = {
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+        ]
+    }
+    messages = parse_chat(body, vocab_size=49152).messages
+    assert [m["role"] for m in messages] == ["system", "user"]

@@ -115,15 +115,18 @@ async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
 async def test_queue_full_is_typed_and_recovers(autojump_clock: trio.abc.Clock) -> None:
     config = sim_config(max_running_requests=1, max_queued_requests=2)
     async with engine.open_engine(config) as eng:
-        first = eng.submit(request(max_new_tokens=4))
-        second = eng.submit(request(max_new_tokens=4))
+        # One takes the free slot, two wait: the engine is full.
+        accepted = [eng.submit(request(max_new_tokens=4)) for _ in range(3)]
         with pytest.raises(engine.QueueFull) as info:
             eng.submit(request())
         assert info.value.http_status == 503
-        assert eng.stats().waiting == 2
+        await trio.testing.wait_all_tasks_blocked()
+        assert eng.stats().running == 1 and eng.stats().waiting == 2
+        with pytest.raises(engine.QueueFull):
+            eng.submit(request())
         # Once the queue drains, submitting works again.
-        assert isinstance((await collect(first))[-1][1], Done)
-        assert isinstance((await collect(second))[-1][1], Done)
+        for stream in accepted:
+            assert isinstance((await collect(stream))[-1][1], Done)
         third = await collect(eng.submit(request(max_new_tokens=2)))
         assert isinstance(third[-1][1], Done)
 
