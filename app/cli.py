@@ -122,7 +122,11 @@ async def run_server(engine_config: engine.EngineConfig, settings: ServerSetting
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    engine_config, settings = configs(args)
+    try:
+        engine_config, settings = configs(args)
+    except ValueError as exc:  # a flag value the engine cannot run with
+        print(f"tributary: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -54,6 +54,20 @@ class EngineConfig:
     #: For fault tests: the sim runner raises RunnerFailure at this step number (1-based).
     sim_fail_at_step: int | None = None
 
+    def __post_init__(self) -> None:
+        # Values that would hang the scheduler or run nothing fail here, at start-up.
+        for name in ("max_running_requests", "prefill_chunk_tokens", "stream_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(
+                f"max_queued_requests must be at least 0, got {self.max_queued_requests}"
+            )
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be at least 2, got {self.context_length}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+
     def kv_cells(self, context_length: int) -> int:
         """KV cells for the whole engine: one context's worth per running slot."""
         return context_length * self.max_running_requests

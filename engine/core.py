@@ -115,9 +115,11 @@ class Engine:
         return self._scheduler.stats()
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        self._check_open()
         return self._runner.tokenize(text, add_special=add_special)
 
     def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        self._check_open()
         vocab = self._runner.info.vocab_size
         for token in ids:
             if not 0 <= token < vocab:
@@ -134,8 +136,7 @@ class Engine:
         duplicate in-flight rid), QueueFull, or EngineClosed. Nothing is enqueued when it
         raises. The caller owns the returned stream and should use it in `async with`.
         """
-        if self._closed:
-            raise EngineClosed("The engine is shutting down.")
+        self._check_open()
         info = self._runner.info
         params = request.sampling
         params.verify(info.vocab_size)
@@ -212,6 +213,11 @@ class Engine:
                 seq, abort_reason(message, status_code=status_code, err_type=err_type)
             )
         return len(seqs)
+
+    def _check_open(self) -> None:
+        # After open_engine's block the model is freed: touching it would crash the process.
+        if self._closed:
+            raise EngineClosed("The engine is shutting down.")
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         vocab = self._runner.info.vocab_size

@@ -41,17 +41,18 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def add(self, token_id: int, *, check_stops: bool = True) -> str | None:
-        """Append one token's text. Returns the stop string it completed, if any."""
+        """Append one token's text. Returns the stop string this token completed, if any:
+        only a match that ends inside this token's text counts, so text added while checks
+        were off (before min_new_tokens) never matches later."""
         assert not self.stopped, "no tokens after a stop string"
         old_len = len(self.text)
         self.text += self._decoder.decode(self._piece(token_id))
         if not check_stops or not self._stops or len(self.text) == old_len:
             return None
-        # A match may start up to max_stop - 1 characters before the new text.
-        start = max(self._emitted, old_len - self._max_stop + 1)
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            pos = self.text.find(stop, start)
+            # Starting here or later, a match ends after old_len: in the new text.
+            pos = self.text.find(stop, max(self._emitted, old_len - len(stop) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:

@@ -126,6 +126,9 @@ class SamplingParams:
         for token_id in self.logit_bias:
             if not 0 <= token_id < vocab_size:
                 _fail(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
+        for token_id in sorted(self.stop_token_ids):
+            if not 0 <= token_id < vocab_size:
+                _fail(f"stop_token_ids must be in [0, {vocab_size - 1}], got {token_id}.")
         if self.n < 1:
             _fail(f"n must be at least 1, got {self.n}.")
         if self.stream_interval is not None and self.stream_interval < 1:

@@ -235,25 +235,25 @@ class Scheduler:
                 seq.emit_frame()
 
     def _check_finished(self, seq: Sequence, token: int) -> FinishReason | None:
-        """SGLang's order: nothing before min_new_tokens; then length; then stop conditions."""
+        """SGLang's order: the length limit first (a token that reaches it is ordinary text,
+        even an EOS or the end of a stop string); then stop tokens; then stop strings.
+
+        `min_new_tokens`: the first min_new_tokens tokens can be neither a stop token (they
+        are masked when sampling, `_suppress`) nor the end of a stop string.
+        """
         params = seq.params
         n = len(seq.output_ids)
+        if n >= seq.max_new_tokens:
+            seq.detok.add(token, check_stops=False)
+            return length_reason(n if params.max_new_tokens is None else params.max_new_tokens)
+        may_stop = n > params.min_new_tokens
         is_stop_token = not params.ignore_eos and (
             token in self._eos or token in params.stop_token_ids
         )
-        # A matched stop token is never rendered into the text.
-        matched = (
-            None if is_stop_token else seq.detok.add(token, check_stops=n >= params.min_new_tokens)
-        )
-        if n < params.min_new_tokens:
-            return None
-        if n >= seq.max_new_tokens:
-            return length_reason(n if params.max_new_tokens is None else params.max_new_tokens)
-        if is_stop_token:
-            return stop_reason(token)
-        if matched is not None:
-            return stop_reason(matched)
-        return None
+        if is_stop_token and may_stop:
+            return stop_reason(token)  # counted in output_ids, never rendered into text
+        matched = seq.detok.add(token, check_stops=may_stop)
+        return None if matched is None else stop_reason(matched)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._release(seq)

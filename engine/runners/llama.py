@@ -214,14 +214,18 @@ class LlamaRunner:
         if p.greedy:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
             return chain
+        # SGLang's order, not llama.cpp's usual one: scale by temperature first, then cut
+        # with top-k / top-p / min-p on the scaled probabilities.
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(p.temperature))
         if p.top_k < self._n_vocab:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(p.top_k))
         if p.top_p < 1.0:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(p.top_p, 1))
         if p.min_p > 0.0:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(p.min_p, 1))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(p.temperature))
-        seed = lib.LLAMA_DEFAULT_SEED if p.sampling_seed is None else p.sampling_seed & 0xFFFFFFFF
+        # llama.cpp seeds are 32-bit, and LLAMA_DEFAULT_SEED (2**32 - 1) means "random": fold
+        # any integer into [0, 2**32 - 2] so every seed stays reproducible.
+        seed = lib.LLAMA_DEFAULT_SEED if p.sampling_seed is None else p.sampling_seed % 0xFFFFFFFF
         lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
         return chain
 
@@ -259,7 +263,8 @@ class LlamaRunner:
             if s.suppress:
                 logits = llama_cpp.llama_get_logits_ith(self._ctx, idx)
                 for token in s.suppress:
-                    logits[token] = -math.inf
+                    if 0 <= token < self._n_vocab:  # never write outside the row
+                        logits[token] = -math.inf
             sampled.append(llama_cpp.llama_sampler_sample(self._samplers[s.seq_id], self._ctx, idx))
         self._kv_used = self._count_kv()
         return sampled

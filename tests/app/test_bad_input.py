@@ -89,6 +89,7 @@ SAMPLING_CASES: list[tuple[dict[str, Any], str]] = [
         "min_new_tokens must be in [0, max_new_tokens(2)], got 3.",
     ),
     ({"logit_bias": {"999": 1.0}}, "logit_bias must has keys in [0, 258], got 999."),
+    ({"stop_token_ids": [10**9], "min_new_tokens": 1}, "stop_token_ids must be in [0, 258]"),
     ({"n": 0}, "n must be at least 1, got 0."),
     ({"stream_interval": 0}, "stream_interval must be at least 1, got 0."),
     ({"regex": "a", "json_schema": "{}"}, "Only one of regex, json_schema, or ebnf can be set."),

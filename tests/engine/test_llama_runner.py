@@ -148,6 +148,31 @@ async def test_seeded_sampling_repeats(eng: engine.Engine) -> None:
     c = await run(eng, request(PROMPTS[1], **{**params, "sampling_seed": 99}))
     assert a[1] == b[1]
     assert a[1] != c[1]
+    # Seeds at the edge of llama.cpp's 32-bit seeds (2**32 - 1 means "random" there) repeat too.
+    for seed in (-1, 2**32 - 1, 2**40):
+        same = [await run(eng, request(PROMPTS[1], **{**params, "sampling_seed": seed}))]
+        same.append(await run(eng, request(PROMPTS[1], **{**params, "sampling_seed": seed})))
+        assert same[0][1] == same[1][1], seed
+
+
+async def test_temperature_scales_before_top_p_and_min_p(eng: engine.Engine) -> None:
+    """SGLang's order: top-p and min-p cut the temperature-scaled distribution. At
+    temperature 0.3 the top token of this prompt holds most of the mass, so top_p=0.5 and
+    min_p=0.5 leave only it, whatever the seed."""
+    _, greedy_ids, _ = await run(eng, request("Hello, my name is", max_new_tokens=1))
+    for cut in ({"top_p": 0.5}, {"min_p": 0.5}):
+        for seed in range(12):
+            _, ids, _ = await run(
+                eng,
+                request(
+                    "Hello, my name is",
+                    max_new_tokens=1,
+                    temperature=0.3,
+                    sampling_seed=seed,
+                    **cut,
+                ),
+            )
+            assert ids == greedy_ids, (cut, seed)
 
 
 async def test_utf8_multibyte_round_trips(eng: engine.Engine) -> None:

@@ -63,6 +63,8 @@ def test_stop_forms() -> None:
             "min_new_tokens must be in [0, max_new_tokens(4)], got 5.",
         ),
         ({"logit_bias": {"49152": 1.0}}, "logit_bias must has keys in [0, 49151], got 49152."),
+        ({"stop_token_ids": [2, 10**9]}, "stop_token_ids must be in [0, 49151], got 1000000000."),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be in [0, 49151], got -1."),
         ({"regex": "a+", "ebnf": "x"}, "Only one of regex, json_schema, or ebnf can be set."),
         ({"regex": "a+"}, "regex is not supported by this server yet."),
     ],

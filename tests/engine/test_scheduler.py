@@ -363,3 +363,73 @@ async def test_huge_and_non_finite_numbers_are_rejected() -> None:
     for bad in (float("nan"), float("inf"), 10**400):
         with pytest.raises(engine.InvalidSamplingParams, match="logit_bias"):
             SamplingParams.from_dict({"logit_bias": {"5": bad}})
+
+
+async def test_length_limit_comes_before_min_new_tokens(autojump_clock: trio.abc.Clock) -> None:
+    """max_new_tokens null + a min_new_tokens beyond the context: the request stops at the
+    context, and the sequence beside it is untouched."""
+    async with engine.open_engine(sim_config(context_length=64)) as eng:
+        greedy_run = eng.submit(request("hello", max_new_tokens=None, min_new_tokens=200))
+        neighbour = eng.submit(request("other", max_new_tokens=20))
+        done = (await collect(greedy_run))[-1][1]
+        beside = (await collect(neighbour))[-1][1]
+    assert isinstance(done, Done)
+    assert done.finish_reason == {"type": "length", "length": 64 - 5}
+    assert isinstance(beside, Done) and beside.completion_tokens == 20
+
+
+async def test_stop_string_on_the_last_allowed_token_is_plain_text(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        free = await collect(eng.submit(request("seed", max_new_tokens=8)))
+        text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
+        stop = text[6:8]  # completed by token 8, the last one allowed
+        assert stop not in text[:7]
+        items = await collect(eng.submit(request("seed", max_new_tokens=8, stop=[stop])))
+    assert items[-1][1].finish_reason == {"type": "length", "length": 8}  # type: ignore[union-attr]
+    assert "".join(o.text for _, o in items) == text  # type: ignore[union-attr]
+
+
+async def test_min_new_tokens_gates_stop_strings_the_same_way_whatever_else_is_set(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        free = await collect(eng.submit(request("seed", max_new_tokens=30)))
+        text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
+        # A character that appears among the first 3 tokens and again later.
+        char = next(c for c in text[:3] if c in text[3:])
+        later = text.index(char, 3)  # the first occurrence at token index >= 3
+        results = []
+        for stops in ([char], [char, "an unrelated much longer stop string"]):
+            items = await collect(
+                eng.submit(request("seed", max_new_tokens=30, stop=stops, min_new_tokens=3))
+            )
+            results.append(("".join(o.text for _, o in items), items[-1][1].finish_reason))  # type: ignore[union-attr]
+    assert results[0] == results[1]
+    assert results[0] == (text[:later], {"type": "stop", "matched": char})
+
+
+async def test_the_model_is_not_touched_after_the_engine_closed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(sim_config()) as eng:
+        pass
+    for call in (lambda: eng.tokenize("hi"), lambda: eng.detokenize([70, 71])):
+        with pytest.raises(engine.EngineClosed):
+            call()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"max_running_requests": 0},
+        {"prefill_chunk_tokens": 0},
+        {"max_queued_requests": -1},
+        {"stream_interval": 0},
+        {"threads": 0},
+    ],
+)
+def test_config_values_that_would_hang_are_refused(setting: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="must be at least"):
+        EngineConfig(**setting)  # type: ignore[arg-type]
