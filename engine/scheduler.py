@@ -212,11 +212,19 @@ class Scheduler:
                 pos = prompt_len + len(seq.output_ids) - 1
                 plan.append(SeqStep(seq.slot, [seq.output_ids[-1]], pos, True, self._suppress(seq)))
                 sampling.append(seq)
-            elif budget > 0:
-                chunk = seq.prompt_ids[seq.prefilled : seq.prefilled + budget]
-                done = seq.prefilled + len(chunk) == prompt_len
+            else:
+                # Chunks are cut at fixed multiples of prefill_chunk from the prompt's start,
+                # never by what budget is left, so a prompt is computed in the same pieces
+                # whatever else runs (the first prefilling sequence always fits).
+                end = min(
+                    prompt_len, (seq.prefilled // self.prefill_chunk + 1) * self.prefill_chunk
+                )
+                if end - seq.prefilled > budget:
+                    continue
+                chunk = seq.prompt_ids[seq.prefilled : end]
+                done = end == prompt_len
                 plan.append(SeqStep(seq.slot, chunk, seq.prefilled, done, self._suppress(seq)))
-                seq.prefilled += len(chunk)
+                seq.prefilled = end
                 budget -= len(chunk)
                 if done:
                     sampling.append(seq)

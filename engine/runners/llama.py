@@ -235,13 +235,31 @@ class LlamaRunner:
         return await compute_thread().run(self._step_sync, plan)
 
     def _step_sync(self, plan: Sequence[SeqStep]) -> list[int]:
+        """One decode for all single-token entries, then one decode per prompt chunk.
+
+        A prompt chunk gets a graph of its own so that its shape never depends on what else
+        runs: llama.cpp splits a mixed batch into ubatches by what all sequences have in
+        common, and a chunk split differently is computed (very slightly) differently, which
+        is enough to change greedy output (measured: 1 of 4 long prompts, behind another
+        prompt). It costs nothing extra: llama.cpp ran a mixed step as several graphs anyway.
+        """
+        sampled: dict[int, int] = {}  # plan index -> token
+        singles = [i for i, s in enumerate(plan) if len(s.tokens) == 1]
+        if singles:
+            self._decode(plan, singles, sampled)
+        for i, s in enumerate(plan):
+            if len(s.tokens) > 1:
+                self._decode(plan, [i], sampled)
+        self._kv_used = self._count_kv()
+        return [sampled[i] for i in sorted(sampled)]
+
+    def _decode(self, plan: Sequence[SeqStep], members: list[int], sampled: dict[int, int]) -> None:
         batch = self._batch
         n = 0
-        outputs: dict[int, tuple[SeqStep, int]] = {}  # plan index -> (step, batch index)
+        outputs: list[tuple[int, int]] = []  # (plan index, batch index)
         # With one KV stream per sequence, llama.cpp cuts a batch into separate graphs at
         # every break in ascending, consecutive sequence ids; so the batch goes in id order.
-        order = sorted(range(len(plan)), key=lambda i: plan[i].seq_id)
-        for i in order:
+        for i in sorted(members, key=lambda i: plan[i].seq_id):
             s = plan[i]
             for j, token in enumerate(s.tokens):
                 batch.token[n] = token
@@ -252,22 +270,20 @@ class LlamaRunner:
                 n += 1
             if s.sample:
                 batch.logits[n - 1] = 1
-                outputs[i] = (s, n - 1)
+                outputs.append((i, n - 1))
         assert n <= self._max_step_tokens, "the scheduler planned more than one batch"
         batch.n_tokens = n
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             raise RunnerFailure(f"llama_decode failed with status {rc}")
-        sampled = []
-        for _, (s, idx) in sorted(outputs.items()):
+        for i, idx in outputs:
+            s = plan[i]
             if s.suppress:
                 logits = llama_cpp.llama_get_logits_ith(self._ctx, idx)
                 for token in s.suppress:
                     if 0 <= token < self._n_vocab:  # never write outside the row
                         logits[token] = -math.inf
-            sampled.append(llama_cpp.llama_sampler_sample(self._samplers[s.seq_id], self._ctx, idx))
-        self._kv_used = self._count_kv()
-        return sampled
+            sampled[i] = llama_cpp.llama_sampler_sample(self._samplers[s.seq_id], self._ctx, idx)
 
     def kv_used_cells(self) -> int:
         # Counted after each step and each removal, never read while a decode runs.

@@ -226,3 +226,19 @@ async def test_abort_mid_decode_frees_sequence_and_spares_others(eng: engine.Eng
         assert done.finish_reason == {"type": "length", "length": 48}
     stats = eng.stats()
     assert stats.running == 0 and stats.kv_used_cells == 0 and stats.waiting == 0
+
+
+async def test_prompt_prefill_does_not_depend_on_its_neighbours(eng: engine.Engine) -> None:
+    """A long prompt gives the same greedy tokens alone and when another prompt is prefilled
+    in the same step (this one diverged when chunks shared a llama_decode)."""
+    story = "Once upon a time in a small village by the sea, there lived an old fisherman who " * 8
+    prompt = CHAT.format(story + "Who is the main character?")
+    _, alone, _ = await run(eng, request(prompt, max_new_tokens=48))
+    behind = await run_all(
+        eng,
+        [
+            request(CHAT.format("Say hi " * 20), max_new_tokens=48),
+            request(prompt, max_new_tokens=48),
+        ],
+    )
+    assert behind[1][1] == alone
