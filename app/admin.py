@@ -10,6 +10,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import uuid
+from urllib.parse import urlsplit
 
 import trio
 from quart import Blueprint, Response
@@ -87,6 +88,8 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
                 **dataclasses.asdict(engine.config),
                 **dataclasses.asdict(settings),
                 "api_key": "***" if settings.api_key else None,  # never echo a secret
+                "port": _bound_port(state.urls) or settings.port,
+                "urls": state.urls,
                 "model_path": info.path,
                 "served_model_name": engine.config.served_model_name or info.name,
                 "context_length": info.context_length,
@@ -119,6 +122,10 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
         return Response("Cache flushed.\n", status=200, mimetype="text/plain")
 
     return bp
+
+
+def _bound_port(urls: list[str]) -> int | None:
+    return urlsplit(urls[0]).port if urls else None
 
 
 #: How often a health probe looks for output from other requests.

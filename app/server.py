@@ -102,6 +102,7 @@ async def open_http_server(
             nursery.cancel_scope.cancel()  # drained: stop the leftover timer below
 
         binds: list[str] = await nursery.start(run_hypercorn)
+        state.urls = binds
         try:
             yield binds
         finally:

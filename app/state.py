@@ -25,6 +25,8 @@ class ServerState:
     #: Set when a graceful shutdown begins; `/health` answers 503 from then on, so load
     #: balancers stop sending new work while in-flight requests finish.
     draining: bool = False
+    #: The URLs `open_http_server` bound (with port 0, the real port).
+    urls: list[str] = dataclasses.field(default_factory=list)
 
     def attach(self, app: QuartTrio) -> None:
         app.extensions[_STATE_KEY] = self

@@ -84,6 +84,9 @@ async def test_12_server_info_concurrently(
         assert response.status_code == 200
         assert isinstance(info["max_total_num_tokens"], int) and info["max_total_num_tokens"] > 0
         assert isinstance(info["version"], str) and info["version"]
+        # Started with port 0: the info names the port actually bound.
+        assert info["urls"] == [sim_server.url]
+        assert info["port"] == int(sim_server.url.rsplit(":", 1)[1]) != 0
         assert info["context_length"] == 4096
         assert info["max_running_requests"] == sim_server.eng.config.max_running_requests
         assert info["incremental_streaming_output"] is False
