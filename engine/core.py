@@ -57,30 +57,20 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
 
 
 async def open_runner(config: EngineConfig) -> Runner:
-    """Build the runner `config.runner` names, off the event loop."""
+    """Build the runner `config.runner` names, off the event loop (llama.cpp loads on its
+    compute thread)."""
     if config.runner == "llama":
         from .runners.llama import LlamaRunner, compute_thread
 
         return await compute_thread().run(LlamaRunner.load, config)
-    return load_runner(config)
-
-
-def load_runner(config: EngineConfig) -> Runner:
-    """Build the runner `config.runner` names. Blocking (llama: call it on its compute thread)."""
     if config.runner == "sim":
         from .runners.sim import SimRunner
 
-        context = config.context_length or 8192
         return SimRunner(
-            context_length=context,
-            kv_cells=config.kv_cells(context),
+            context_length=config.context_length or 8192,
             latency=config.sim_latency,
             fail_at_step=config.sim_fail_at_step,
         )
-    if config.runner == "llama":
-        from .runners.llama import LlamaRunner
-
-        return LlamaRunner.load(config)
     raise ValueError(f"unknown runner {config.runner!r}; expected 'llama' or 'sim'")
 
 

@@ -18,7 +18,6 @@ every chunk and a last chunk with empty `choices` and the usage. Then `data: [DO
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,12 +50,7 @@ async def create_chat_completion(served: ServedModel, body: Any, owned: list[Any
     prompt_ids = render_chat_prompt(served, req)
     streams = submit_all(engine, served.expand([prompt_ids], req))
     owned.extend(streams)
-    head = {
-        "id": served.response_id("chatcmpl", req),
-        "object": "chat.completion",
-        "created": int(time.time()),  # when this completion was created
-        "model": served.name,
-    }
+    head = served.response_head("chatcmpl", "chat.completion", req)
     if req.stream:
         return chunk_stream_response(streams, _Chunks(head, req))
     choices = await collect(streams)

@@ -18,7 +18,6 @@ each choice's text with its prompt (token prompts are detokenized).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,12 +44,7 @@ async def create_completion(served: ServedModel, body: Any, owned: list[Any]) ->
     echoes = _echoes(served, req) if req.echo else None
     streams = submit_all(engine, served.expand(req.prompts, req))
     owned.extend(streams)
-    head = {
-        "id": served.response_id("cmpl", req),
-        "object": "text_completion",
-        "created": int(time.time()),  # when this completion was created
-        "model": served.name,
-    }
+    head = served.response_head("cmpl", "text_completion", req)
     if req.stream:
         return chunk_stream_response(streams, _Chunks(head, req, echoes))
     choices = await collect(streams)

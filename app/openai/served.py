@@ -123,6 +123,15 @@ class ServedModel:
                 )
         return items
 
+    def response_head(self, prefix: str, obj: str, req: OpenAIRequest) -> dict[str, Any]:
+        """`id`, `object`, `created` (now: when this completion was created) and `model`."""
+        return {
+            "id": self.response_id(prefix, req),
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.name,
+        }
+
     @staticmethod
     def response_id(prefix: str, req: OpenAIRequest) -> str:
         """The client's `rid` when it gave one (SGLang echoes it as the id), else a fresh one."""

@@ -43,7 +43,6 @@ class SimRunner:
         self,
         *,
         context_length: int = 8192,
-        kv_cells: int = 65536,
         latency: SimLatency | None = None,
         fail_at_step: int | None = None,
     ) -> None:
@@ -58,7 +57,6 @@ class SimRunner:
             bos_token_id=None,
             chat_template=None,
         )
-        self.kv_cells = kv_cells
         self.latency = latency or SimLatency()
         self.fail_at_step = fail_at_step
         self.steps = 0
