@@ -3,13 +3,13 @@ Import names from here, not from the modules.
 
 Synopsis::
 
-    import engine, app
+    import tributary
 
-    async with engine.open_engine(engine.EngineConfig()) as eng:
-        async with app.open_http_server(eng, app.ServerSettings(port=0)) as urls:
+    async with tributary.open_engine(tributary.EngineConfig()) as eng:
+        async with tributary.open_http_server(eng, tributary.ServerSettings(port=0)) as urls:
             ...                                  # POST {urls[0]}/generate
 
-`tributary serve` (`app.cli:main`) does the same from the command line.
+`tributary serve` (`tributary.app.cli:main`) does the same from the command line.
 """
 
 from .generate import drain_batch as drain_batch

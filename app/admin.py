@@ -14,9 +14,7 @@ from urllib.parse import urlsplit
 
 import trio
 from quart import Blueprint, Response
-
-import engine as engine_pkg
-from engine import (
+from tributary.engine import (
     BadRequest,
     Done,
     Engine,
@@ -26,6 +24,8 @@ from engine import (
     QueueFull,
     SamplingParams,
 )
+
+from tributary import engine as engine_pkg
 
 from .errors import abort_status
 from .normalize import read_json_body

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import trio
 
-import engine
+from tributary import engine
 
 from .loading import bound_port, serve_until_loaded
 from .server import open_http_server

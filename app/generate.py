@@ -15,8 +15,7 @@ from typing import Any
 
 import trio
 from quart import Response
-
-from engine import Done, Engine, Error, GenerateRequest, RequestStream
+from tributary.engine import Done, Engine, Error, GenerateRequest, RequestStream
 
 from .asgi import Closeable
 from .errors import abort_status, error_object

@@ -26,9 +26,8 @@ from types import TracebackType
 import trio
 from quart import Response
 from quart.wrappers.response import ResponseBody
-
-from engine import Output, RequestStream
-from engine.service_nursery import open_service_nursery
+from tributary.engine import Output, RequestStream
+from tributary.engine.service_nursery import open_service_nursery
 
 __all__ = ["MultiplexedBody", "sse_response"]
 

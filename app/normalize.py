@@ -34,8 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from quart import request
-
-from engine import BadRequest, GenerateRequest, SamplingParams
+from tributary.engine import BadRequest, GenerateRequest, SamplingParams
 
 __all__ = ["NormalizedGenerate", "normalize_generate", "read_json_body"]
 

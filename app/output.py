@@ -18,8 +18,7 @@ import json
 from typing import Any
 
 from quart import Response
-
-from engine import Done, FinishReason, Frame
+from tributary.engine import Done, FinishReason, Frame
 
 __all__ = ["OutputAccumulator", "encode_json", "json_response", "output_object"]
 

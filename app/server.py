@@ -36,9 +36,8 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
-
-from engine import Engine
-from engine.service_nursery import open_service_nursery
+from tributary.engine import Engine
+from tributary.engine.service_nursery import open_service_nursery
 
 from .routes import create_app
 from .settings import ServerSettings

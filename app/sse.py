@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from quart import Response
-
-from engine import Done, Error, Frame, Output, RequestStream
+from tributary.engine import Done, Error, Frame, Output, RequestStream
 
 from .errors import abort_status, error_object
 from .multiplex import MultiplexedBody, sse_response

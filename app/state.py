@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from quart_trio import QuartTrio
-
-from engine import Engine
+from tributary.engine import Engine
 
 from .settings import ServerSettings
 

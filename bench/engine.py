@@ -26,8 +26,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine
-from engine.runners.llama import compute_thread, default_model_path
+from tributary.engine.runners.llama import compute_thread, default_model_path
+
+from tributary import engine
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "engine.json"
 TOPICS = [

@@ -3,7 +3,7 @@ program. Import names from here, not from the modules.
 
 Synopsis::
 
-    import engine
+    from tributary import engine
 
     async with engine.open_engine(engine.EngineConfig()) as eng:
         params = engine.SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 32})

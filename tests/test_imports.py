@@ -1,18 +1,21 @@
-"""Every module of `app` and `engine` imports, so a moved or renamed name fails here."""
+"""Every module of `tributary` imports, so a moved or renamed name fails here; and the
+installed project claims no top-level name but `tributary`."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 
-import app
-import engine
+import tributary
+from tributary import app, engine
 
 
 def all_modules() -> list[str]:
-    names = []
+    names = ["tributary"]  # not tributary.__main__: importing it runs the CLI
     for package in (app, engine):
         names.append(package.__name__)
         for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
@@ -28,18 +31,48 @@ def test_module_imports(name: str) -> None:
 
 
 def test_layering() -> None:
-    """`app` never imports llama_cpp; `engine` never imports quart or hypercorn."""
+    """`app` never imports llama_cpp; `engine` never imports quart, hypercorn or the app."""
     import ast
     from pathlib import Path
 
-    for package, banned in ((app, ("llama_cpp",)), (engine, ("quart", "quart_trio", "hypercorn"))):
+    layers = (
+        (app, ("llama_cpp",)),
+        (engine, ("quart", "quart_trio", "hypercorn", "tributary.app")),
+    )
+    for package, banned in layers:
         for path in Path(package.__path__[0]).rglob("*.py"):
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
-                    roots = [alias.name.split(".")[0] for alias in node.names]
+                    modules = [alias.name for alias in node.names]
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    roots = [node.module.split(".")[0]]
+                    modules = [node.module]
                 else:
                     continue
-                assert not set(roots) & set(banned), f"{path} imports {roots}"
+                for module in modules:
+                    assert not any(module == b or module.startswith(b + ".") for b in banned), (
+                        f"{path} imports {module}"
+                    )
+
+
+def test_python_m_tributary() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tributary", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "serve" in done.stdout
+
+
+def test_only_the_tributary_name_is_claimed(tmp_path: object) -> None:
+    """A user's own `app` and `engine` modules must win: importing all of Tributary from
+    outside the repository binds neither name."""
+    code = (
+        "import sys, tributary, tributary.app.cli, tributary.engine.runners.llama;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'engine')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert tributary.open_engine is engine.open_engine

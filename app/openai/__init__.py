@@ -3,7 +3,7 @@ of the same engine streams and cancellation as `/generate`. Import names from he
 
 Synopsis::
 
-    from app.openai import openai_blueprint
+    from tributary.app.openai import openai_blueprint
 
     quart_app.register_blueprint(openai_blueprint(eng, settings))   # create_app does this
 

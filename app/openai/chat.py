@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from quart import Response
-
-from engine import Done, Frame
+from tributary.engine import Done, Frame
 
 from ..generate import submit_all
 from ..output import json_response

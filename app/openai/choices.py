@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import trio
-
-from engine import Done, EngineError, Error, FinishReason, Output, RequestStream
+from tributary.engine import Done, EngineError, Error, FinishReason, Output, RequestStream
 
 from ..errors import abort_status
 from .errors import StatusError

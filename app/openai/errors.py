@@ -26,8 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from quart import Response
-
-from engine import BadRequest, ContextLengthExceeded, EngineError, QueueFull
+from tributary.engine import BadRequest, ContextLengthExceeded, EngineError, QueueFull
 
 from ..output import json_response
 

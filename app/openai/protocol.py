@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from engine import SamplingParams
+from tributary.engine import SamplingParams
 
 from .errors import InvalidRequest
 from .messages import parse_messages

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jinja2
-
-from engine import Engine, GenerateRequest
+from tributary.engine import Engine, GenerateRequest
 
 from ..normalize import check_fan_out, seeded_sample
 from .chat_template import ChatTemplate

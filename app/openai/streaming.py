@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from quart import Response
-
-from engine import Done, Error, Frame, RequestStream
+from tributary.engine import Done, Error, Frame, RequestStream
 
 from ..multiplex import MultiplexedBody, sse_response
 from ..sse import DONE, sse_event

@@ -16,10 +16,16 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from tributary.engine import (
+    EngineConfig,
+    EngineStats,
+    GenerateRequest,
+    ModelInfo,
+    Output,
+    SimLatency,
+)
 
-import app
-import engine
-from engine import EngineConfig, EngineStats, GenerateRequest, ModelInfo, Output, SimLatency
+from tributary import app, engine
 
 #: A fast sim model for wire tests: about 2.5 ms per decode step.
 FAST = SimLatency(step_base=0.002, decode_per_seq=0.0005, prefill_per_token=0.00005)

@@ -9,8 +9,7 @@ from typing import Any
 
 import openai
 from apphelpers import Server
-
-from engine import EngineConfig
+from tributary.engine import EngineConfig
 
 #: The real model, small enough to load in about 0.3 s per test. One thread: on a shared
 #: 2-core machine, llama.cpp's two threads spin-wait on each other whenever another process

@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 import trio
-
-from app.asgi import CloseOwned, ShieldFinalSend, owned_by_request
+from tributary.app.asgi import CloseOwned, ShieldFinalSend, owned_by_request
 
 
 class Resource:

@@ -14,8 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-
-from app.cli import build_parser, configs
+from tributary.app.cli import build_parser, configs
 
 STARTUP = re.compile(r"Tributary serving (\S+) .*context length (\d+).* at (http://\S+)")
 
@@ -23,7 +22,7 @@ STARTUP = re.compile(r"Tributary serving (\S+) .*context length (\d+).* at (http
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 async def test_serve_then_graceful_signal_shutdown(signum: signal.Signals) -> None:
     command = [
-        sys.executable, "-m", "app.cli", "serve", "--runner", "sim", "--port", "0",
+        sys.executable, "-m", "tributary", "serve", "--runner", "sim", "--port", "0",
         "--context-length", "512", "--log-level", "warning",
     ]  # fmt: skip
     async with trio.open_nursery() as nursery:
@@ -62,7 +61,7 @@ async def test_serve_then_graceful_signal_shutdown(signum: signal.Signals) -> No
 
 async def test_second_signal_stops_at_once() -> None:
     command = [
-        sys.executable, "-m", "app.cli", "serve", "--runner", "sim", "--port", "0",
+        sys.executable, "-m", "tributary", "serve", "--runner", "sim", "--port", "0",
         "--graceful-timeout", "60", "--log-level", "warning",
     ]  # fmt: skip
     async with trio.open_nursery() as nursery:

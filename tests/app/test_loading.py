@@ -9,10 +9,9 @@ import sys
 import httpx
 import trio
 from apphelpers import server_settings, sim_config
+from tributary.app.loading import LOADING_MESSAGE, bound_port, serve_until_loaded
 
-import app
-import engine
-from app.loading import LOADING_MESSAGE, bound_port, serve_until_loaded
+from tributary import app, engine
 
 
 async def test_port_answers_503_while_loading_then_the_server_takes_it_over() -> None:
@@ -39,7 +38,7 @@ async def test_port_answers_503_while_loading_then_the_server_takes_it_over() ->
 
 async def test_a_model_that_cannot_load_is_a_plain_error() -> None:
     command = [
-        sys.executable, "-m", "app.cli", "serve", "--model-path", "/nonexistent/model.gguf",
+        sys.executable, "-m", "tributary", "serve", "--model-path", "/nonexistent/model.gguf",
         "--port", "0", "--log-level", "error",
     ]  # fmt: skip
     with trio.fail_after(60):

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tributary.engine import BadRequest, InvalidSamplingParams
 
-import app
-from engine import BadRequest, InvalidSamplingParams
+from tributary import app
 
 
 def normalize(body: Any) -> app.NormalizedGenerate:

@@ -8,7 +8,7 @@ import openai
 import pytest
 from apphelpers import running_server, sim_config
 
-import app
+from tributary import app
 
 
 async def test_api_key_is_required_on_v1() -> None:

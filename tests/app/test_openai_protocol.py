@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from app.openai import InvalidRequest, parse_chat, parse_completion
-from engine import BadRequest, InvalidSamplingParams
+from tributary.app.openai import InvalidRequest, parse_chat, parse_completion
+from tributary.engine import BadRequest, InvalidSamplingParams
 
 VOCAB = 1000
 USER = [{"role": "user", "content": "hi"}]

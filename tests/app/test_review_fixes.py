@@ -8,7 +8,7 @@ import httpx
 import trio
 from apphelpers import greedy, running_server, server_settings, sim_config
 
-import app
+from tributary import app
 
 
 async def test_a_request_that_can_never_be_queued_is_a_400_not_a_retry_forever() -> None:

@@ -12,8 +12,7 @@ import pytest
 import trio
 from apphelpers import greedy, parse_sse, server_settings, sim_config, wait_until
 
-import app
-import engine
+from tributary import app, engine
 
 
 async def test_port_zero_binds_a_free_port_and_serve_works_with_nursery_start() -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from engine.detokenize import IncrementalDetokenizer
+from tributary.engine.detokenize import IncrementalDetokenizer
 
 
 def piece(token: int) -> bytes:

@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
+from tributary.engine import Done, EngineConfig, Frame, GenerateRequest, SamplingParams
 
-import engine
-from engine import Done, EngineConfig, Frame, GenerateRequest, SamplingParams
+from tributary import engine
 
 pytestmark = pytest.mark.model
 

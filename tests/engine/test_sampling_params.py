@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from engine import InvalidSamplingParams, SamplingParams
-from engine.sampling import TOP_K_ALL
+from tributary.engine import InvalidSamplingParams, SamplingParams
+from tributary.engine.sampling import TOP_K_ALL
 
 VOCAB = 49152
 

@@ -12,9 +12,17 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
+from tributary.engine import (
+    Done,
+    EngineConfig,
+    Error,
+    Frame,
+    GenerateRequest,
+    SamplingParams,
+    SimLatency,
+)
 
-import engine
-from engine import Done, EngineConfig, Error, Frame, GenerateRequest, SamplingParams, SimLatency
+from tributary import engine
 
 LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
 
