@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--runner", choices=["llama", "sim"], default=defaults.runner)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all)")
+    p.add_argument(
+        "--enable-custom-logit-processor",
+        action="store_true",
+        help="accept SGLang custom logit processors (runs Python code that clients send)",
+    )
     p.add_argument("--weight-version", default=http.weight_version)
     p.add_argument("--graceful-timeout", type=float, default=http.graceful_timeout)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
@@ -70,6 +75,7 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         max_queued_requests=args.max_queued_requests,
         stream_interval=args.stream_interval,
         threads=args.threads,
+        enable_custom_logit_processor=args.enable_custom_logit_processor,
     )
     settings = ServerSettings(
         host=args.host,

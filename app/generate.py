@@ -15,14 +15,14 @@ from typing import Any
 
 import trio
 from quart import Response
-from tributary.engine import Done, Engine, Error, GenerateRequest, RequestStream
+from tributary.engine import Done, Engine, Error, GenerateRequest, QueueFull, RequestStream
 
 from .asgi import Closeable
 from .errors import abort_status, error_object
 from .normalize import normalize_generate
-from .output import OutputAccumulator, json_response
+from .output import LogprobFormat, OutputAccumulator, json_response
 from .settings import ServerSettings
-from .sse import event_stream_response
+from .sse import event_stream_response, refused_stream_response
 from .timing import RequestTiming
 
 __all__ = ["drain_batch", "drain_unary", "handle_generate", "submit_all"]
@@ -46,10 +46,16 @@ def submit_all(engine: Engine, items: Sequence[GenerateRequest]) -> list[Request
 
 
 async def drain_unary(
-    stream: RequestStream, timing: RequestTiming, *, weight_version: str
+    stream: RequestStream,
+    timing: RequestTiming,
+    *,
+    weight_version: str,
+    logprobs: LogprobFormat | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Read one item to its terminal output; return (HTTP status, response object)."""
-    acc = OutputAccumulator(stream.rid, stream.prompt_tokens, weight_version=weight_version)
+    acc = OutputAccumulator(
+        stream.rid, stream.prompt_tokens, weight_version=weight_version, logprobs=logprobs
+    )
     async with stream:
         async for item in stream:
             if isinstance(item, Error):
@@ -71,14 +77,19 @@ async def drain_unary(
 
 
 async def drain_batch(
-    streams: Sequence[RequestStream], timing: RequestTiming, *, weight_version: str
+    streams: Sequence[RequestStream],
+    timing: RequestTiming,
+    *,
+    weight_version: str,
+    logprobs: Sequence[LogprobFormat | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Drain every item concurrently; results keep request order, failures are entries."""
     results: list[dict[str, Any]] = [{} for _ in streams]
+    formats = logprobs or [None] * len(streams)
 
     async def drain_into(i: int) -> None:
         _, results[i] = await drain_unary(
-            streams[i], timing.for_item(), weight_version=weight_version
+            streams[i], timing.for_item(), weight_version=weight_version, logprobs=formats[i]
         )
 
     async with trio.open_nursery() as nursery:
@@ -97,9 +108,17 @@ async def handle_generate(
         max_items=engine.capacity,
     )
     timing = RequestTiming.start()
-    streams = submit_all(engine, req.items)
-    cleanup.extend(streams)
     weight_version = settings.weight_version
+    try:
+        streams = submit_all(engine, req.items)
+    except QueueFull as exc:
+        if not req.stream:
+            raise  # SGLang's 503 (errors.engine_error_response)
+        return refused_stream_response(
+            req.items, exc, timing, batch=req.is_batch, weight_version=weight_version
+        )
+    cleanup.extend(streams)
+    formats = logprob_formats(engine, req.items, with_text=req.text_in_logprobs)
     if req.stream:
         return event_stream_response(
             streams,
@@ -107,8 +126,33 @@ async def handle_generate(
             batch=req.is_batch,
             incremental=settings.incremental_streaming_output,
             weight_version=weight_version,
+            logprobs=formats,
         )
     if not req.is_batch:
-        status, obj = await drain_unary(streams[0], timing, weight_version=weight_version)
+        status, obj = await drain_unary(
+            streams[0], timing, weight_version=weight_version, logprobs=formats[0]
+        )
         return json_response(obj, status=status)
-    return json_response(await drain_batch(streams, timing, weight_version=weight_version))
+    return json_response(
+        await drain_batch(streams, timing, weight_version=weight_version, logprobs=formats)
+    )
+
+
+def logprob_formats(
+    engine: Engine, items: Sequence[GenerateRequest], *, with_text: bool
+) -> list[LogprobFormat | None]:
+    """How each item's logprobs are written (None: the item asked for none)."""
+
+    def token_text(token: int) -> str:
+        return engine.detokenize([token], skip_special_tokens=False)
+
+    return [
+        None
+        if item.logprobs is None
+        else LogprobFormat(
+            top=item.logprobs.top_n > 0,
+            ids=item.logprobs.token_ids is not None,
+            token_text=token_text if with_text else None,
+        )
+        for item in items
+    ]

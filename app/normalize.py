@@ -17,8 +17,14 @@ Rules (docs/api.md, contract section 1):
   sample a fresh uuid rid;
 - `rid`: a str is used as-is for a single request and fans out as `rid_i` for a batch; a list
   must have one str per prompt; duplicates inside one request are rejected;
-- unknown top-level keys are ignored; features this server does not implement yet (logprobs,
-  multimodal inputs, LoRA, ...) are rejected rather than silently dropped.
+- logprobs: `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `token_ids_logprob`
+  (each a value for every prompt, or for a batch a list with one per prompt; null means the
+  default) and `return_text_in_logprobs`; without `return_logprob` the others are ignored, as
+  in SGLang;
+- `custom_logit_processor`: a serialized processor, or for a batch a list (null entries for
+  prompts without one);
+- unknown top-level keys are ignored; features this server does not implement yet
+  (multimodal inputs, LoRA, ...) are rejected rather than silently dropped.
 
 Every failure raises `engine.BadRequest` (or its `InvalidSamplingParams` subclass) with
 SGLang's message where SGLang has one; nothing is submitted.
@@ -34,9 +40,9 @@ from collections.abc import Callable
 from typing import Any
 
 from quart import request
-from tributary.engine import BadRequest, GenerateRequest, SamplingParams
+from tributary.engine import BadRequest, GenerateRequest, LogprobRequest, SamplingParams
 
-__all__ = ["NormalizedGenerate", "normalize_generate", "read_json_body"]
+__all__ = ["NormalizedGenerate", "bool_field", "normalize_generate", "read_json_body"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +50,8 @@ class NormalizedGenerate:
     items: list[GenerateRequest]
     is_batch: bool
     stream: bool
+    #: `return_text_in_logprobs`: fill the text slot of every logprob entry.
+    text_in_logprobs: bool = False
 
 
 def _truthy(value: Any) -> bool:
@@ -59,11 +67,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "image_data": lambda v: v is not None,
     "video_data": lambda v: v is not None,
     "audio_data": lambda v: v is not None,
-    "return_logprob": _truthy,
-    "top_logprobs_num": _truthy,
-    "token_ids_logprob": _truthy,
     "return_hidden_states": _truthy,
-    "custom_logit_processor": lambda v: v is not None,
     "lora_path": _truthy,
     "session_params": lambda v: v is not None,
 }
@@ -143,6 +147,9 @@ def normalize_generate(
         is_batch = True
     check_fan_out(size * n, max_items)
     rids = _rids(body.get("rid"), size, n, is_batch)
+    logprobs = _logprob_requests(body, size, n, is_batch, vocab_size)
+    processors = _per_prompt(body, "custom_logit_processor", size, n, is_batch, _optional_str, None)
+    text_in_logprobs = bool_field(body, "return_text_in_logprobs")
 
     items = []
     for p in range(size):
@@ -154,9 +161,111 @@ def normalize_generate(
                     input_ids=ids[p] if ids is not None else None,
                     sampling=seeded_sample(sampling, s),
                     rid=rids[p * n + s],
+                    logprobs=logprobs[p],
+                    custom_logit_processor=processors[p],
                 )
             )
-    return NormalizedGenerate(items=items, is_batch=is_batch, stream=stream)
+    return NormalizedGenerate(
+        items=items, is_batch=is_batch, stream=stream, text_in_logprobs=text_in_logprobs
+    )
+
+
+def bool_field(body: dict[str, Any], key: str, *, default: bool = False) -> bool:
+    """An optional boolean of the body: null or absent means `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be a boolean, got {value!r}.")
+    return value
+
+
+def _int_value(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer, got {value!r}.")
+    return value
+
+
+def _bool_value(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be a boolean, got {value!r}.")
+    return value
+
+
+def _optional_str(key: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"{key} must be a string, got {value!r}.")
+    return value or None
+
+
+def _per_prompt(
+    body: dict[str, Any],
+    key: str,
+    size: int,
+    n: int,
+    is_batch: bool,
+    convert: Callable[[str, Any], Any],
+    default: Any,
+    *,
+    is_list_form: Callable[[Any], bool] = lambda v: isinstance(v, list),
+) -> list[Any]:
+    """One value per prompt: a scalar applies to every prompt; for a batch, a list gives one
+    per prompt (SGLang's S/B fields). Null means `default`."""
+    value = body.get(key)
+    if value is None:
+        return [default] * size
+    if is_batch and is_list_form(value):
+        if n > 1:
+            raise BadRequest(f"Cannot use list {key} with parallel_sample_num > 1")
+        if len(value) != size:
+            raise BadRequest(f"The length of {key} should be equal to the batch size.")
+        return [default if v is None else convert(key, v) for v in value]
+    return [convert(key, value)] * size
+
+
+def _token_ids(key: str, value: Any, vocab_size: int) -> tuple[int, ...] | None:
+    def as_id(x: Any) -> int:
+        if isinstance(x, float) and x.is_integer():
+            return int(x)  # `2e9` from a Python client: an id, just not a valid one
+        if isinstance(x, int) and not isinstance(x, bool):
+            return x
+        raise BadRequest("token_ids_logprob must be a flat list of integers.")
+
+    if not isinstance(value, list):
+        raise BadRequest("token_ids_logprob must be a flat list of integers.")
+    ids = tuple(as_id(x) for x in value)
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise BadRequest(
+                f"token_ids_logprob contains out-of-vocabulary token id {token}; "
+                f"valid range is [0, {vocab_size})."
+            )
+    return ids or None  # SGLang: an empty list means none
+
+
+def _logprob_requests(
+    body: dict[str, Any], size: int, n: int, is_batch: bool, vocab_size: int
+) -> list[LogprobRequest | None]:
+    """Each prompt's LogprobRequest, or None where `return_logprob` is off."""
+    wanted = _per_prompt(body, "return_logprob", size, n, is_batch, _bool_value, False)
+    starts = _per_prompt(body, "logprob_start_len", size, n, is_batch, _int_value, -1)
+    tops = _per_prompt(body, "top_logprobs_num", size, n, is_batch, _int_value, 0)
+    # A single request's ids are a flat list; a batch's, a list of lists (or one flat list
+    # for every prompt).
+    ids = _per_prompt(
+        body,
+        "token_ids_logprob",
+        size,
+        n,
+        is_batch,
+        lambda key, value: _token_ids(key, value, vocab_size),
+        None,
+        is_list_form=lambda v: isinstance(v, list) and bool(v) and isinstance(v[0], list | None),
+    )
+    return [
+        LogprobRequest(start_len=starts[p], top_n=tops[p], token_ids=ids[p]) if wanted[p] else None
+        for p in range(size)
+    ]
 
 
 def _prompts(

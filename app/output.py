@@ -6,21 +6,37 @@ built as ordered dicts and encoded with `encode_json`, never through a key-sorti
 `meta_info` keys, in order::
 
     id, finish_reason, prompt_tokens, weight_version, num_retractions, reasoning_tokens,
-    completion_tokens, cached_tokens[, e2e_latency]
+    completion_tokens, cached_tokens[, logprob families][, e2e_latency]
 
 `finish_reason` is null on non-terminal stream frames, and `e2e_latency` appears only on a
 terminal output.
+
+Logprob families (with `return_logprob`), SGLang's: `input_token_logprobs`,
+`output_token_logprobs`, `output_token_logprobs_length`, then `input_top_logprobs` and
+`output_top_logprobs` (with `top_logprobs_num`), then `input_token_ids_logprobs` and
+`output_token_ids_logprobs` (with `token_ids_logprob`). Each entry is `[logprob, token_id,
+text]`, text null unless `return_text_in_logprobs`; a position with nothing scored is null;
+a logprob of -inf (a token a grammar or processor forbade) is null, as SGLang's orjson
+writes it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 from quart import Response
-from tributary.engine import Done, FinishReason, Frame
+from tributary.engine import Done, FinishReason, Frame, Logprobs, TokenLogprob, TopLogprobs
 
-__all__ = ["OutputAccumulator", "encode_json", "json_response", "output_object"]
+__all__ = [
+    "LogprobFormat",
+    "OutputAccumulator",
+    "encode_json",
+    "json_response",
+    "output_object",
+]
 
 
 def encode_json(obj: Any) -> str:
@@ -46,6 +62,7 @@ def output_object(
     weight_version: str,
     e2e_latency: float | None = None,
     index: int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
@@ -57,6 +74,8 @@ def output_object(
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens,
     }
+    if logprobs is not None:
+        meta.update(logprobs)
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
     obj: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
@@ -65,10 +84,96 @@ def output_object(
     return obj
 
 
+class LogprobFormat:
+    """How one request's logprobs are written: which families, and with or without text.
+
+    `token_text` renders one token (special tokens spelled out, as SGLang's per-token
+    decode does) when `return_text_in_logprobs` is set; otherwise the text slot is null.
+    """
+
+    def __init__(
+        self, *, top: bool, ids: bool, token_text: Callable[[int], str] | None = None
+    ) -> None:
+        self.top = top
+        self.ids = ids
+        self._token_text = token_text
+
+    def tokens(self, entries: list[TokenLogprob]) -> list[list[Any]]:
+        return [[_finite(lp), token, self._text(token)] for lp, token in entries]
+
+    def positions(self, positions: list[TopLogprobs]) -> list[list[list[Any]] | None]:
+        return [
+            None if entries is None else [[_finite(lp), t, self._text(t)] for lp, t in entries]
+            for entries in positions
+        ]
+
+    def _text(self, token: int) -> str | None:
+        return None if self._token_text is None else self._token_text(token)
+
+
+def _finite(logprob: float | None) -> float | None:
+    return logprob if logprob is not None and math.isfinite(logprob) else None
+
+
+class _LogprobLists:
+    """One request's logprob families, rendered: input families once, output families as
+    they grow."""
+
+    def __init__(self, fmt: LogprobFormat) -> None:
+        self.fmt = fmt
+        self.input_token: list[list[Any]] = []
+        self.input_top: list[Any] = []
+        self.input_ids: list[Any] = []
+        self.output_token: list[list[Any]] = []
+        self.output_top: list[Any] = []
+        self.output_ids: list[Any] = []
+
+    def add(self, lp: Logprobs) -> dict[str, list[Any]]:
+        """Fold in one item's logprobs; return that item's own output lists (the
+        incremental shape)."""
+        fmt = self.fmt
+        if lp.input_token is not None:
+            self.input_token = fmt.tokens(lp.input_token)
+            self.input_top = fmt.positions(lp.input_top or [])
+            self.input_ids = fmt.positions(lp.input_ids or [])
+        delta: dict[str, list[Any]] = {
+            "token": fmt.tokens(lp.output_token),
+            "top": fmt.positions(lp.output_top or []),
+            "ids": fmt.positions(lp.output_ids or []),
+        }
+        self.output_token += delta["token"]
+        self.output_top += delta["top"]
+        self.output_ids += delta["ids"]
+        return delta
+
+    def meta(self, output: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+        """The meta_info keys, with all output positions so far, or `output`'s."""
+        token = self.output_token if output is None else output["token"]
+        meta: dict[str, Any] = {
+            "input_token_logprobs": self.input_token,
+            "output_token_logprobs": token,
+            "output_token_logprobs_length": len(self.output_token),
+        }
+        if self.fmt.top:
+            meta["input_top_logprobs"] = self.input_top
+            meta["output_top_logprobs"] = self.output_top if output is None else output["top"]
+        if self.fmt.ids:
+            meta["input_token_ids_logprobs"] = self.input_ids
+            meta["output_token_ids_logprobs"] = self.output_ids if output is None else output["ids"]
+        return meta
+
+
 class OutputAccumulator:
     """Folds one request's deltas into its cumulative output."""
 
-    def __init__(self, rid: str, prompt_tokens: int, *, weight_version: str) -> None:
+    def __init__(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        *,
+        weight_version: str,
+        logprobs: LogprobFormat | None = None,
+    ) -> None:
         self.rid = rid
         self.weight_version = weight_version
         self.text = ""
@@ -76,6 +181,8 @@ class OutputAccumulator:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self._logprobs = _LogprobLists(logprobs) if logprobs is not None else None
+        self._last_delta: dict[str, list[Any]] | None = None
 
     def add(self, item: Frame | Done) -> None:
         self.text += item.text
@@ -83,6 +190,9 @@ class OutputAccumulator:
         self.prompt_tokens = item.prompt_tokens
         self.completion_tokens = item.completion_tokens
         self.cached_tokens = item.cached_tokens
+        if self._logprobs is not None:
+            empty = Logprobs(output_token=[])
+            self._last_delta = self._logprobs.add(item.logprobs or empty)
 
     def cumulative(
         self,
@@ -91,7 +201,10 @@ class OutputAccumulator:
         e2e_latency: float | None = None,
         index: int | None = None,
     ) -> dict[str, Any]:
-        return self._object(self.text, list(self.output_ids), finish_reason, e2e_latency, index)
+        logprobs = self._logprobs.meta() if self._logprobs is not None else None
+        return self._object(
+            self.text, list(self.output_ids), finish_reason, e2e_latency, index, logprobs
+        )
 
     def delta(
         self,
@@ -101,8 +214,12 @@ class OutputAccumulator:
         e2e_latency: float | None = None,
         index: int | None = None,
     ) -> dict[str, Any]:
-        """The incremental shape: this item's text and ids, cumulative counts."""
-        return self._object(item.text, list(item.output_ids), finish_reason, e2e_latency, index)
+        """The incremental shape: this item's text, ids and output logprobs (the last item
+        added), cumulative counts."""
+        logprobs = self._logprobs.meta(self._last_delta) if self._logprobs is not None else None
+        return self._object(
+            item.text, list(item.output_ids), finish_reason, e2e_latency, index, logprobs
+        )
 
     def _object(
         self,
@@ -111,6 +228,7 @@ class OutputAccumulator:
         finish_reason: FinishReason | None,
         e2e_latency: float | None,
         index: int | None,
+        logprobs: dict[str, Any] | None,
     ) -> dict[str, Any]:
         return output_object(
             rid=self.rid,
@@ -123,4 +241,5 @@ class OutputAccumulator:
             weight_version=self.weight_version,
             e2e_latency=e2e_latency,
             index=index,
+            logprobs=logprobs,
         )

@@ -34,6 +34,7 @@ from .openai import openai_blueprint
 from .openai.errors import StatusError, Unauthorized, openai_error_response
 from .settings import ServerSettings
 from .state import ServerState
+from .tokenize import tokenize_blueprint
 
 __all__ = ["create_app"]
 
@@ -54,6 +55,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     app.asgi_app = ShieldFinalSend(CloseOwned(app.asgi_app))  # type: ignore[method-assign, assignment]
     app.register_blueprint(admin_blueprint(engine, state))
     app.register_blueprint(openai_blueprint(engine, settings))
+    app.register_blueprint(tokenize_blueprint(engine))
 
     if settings.api_key:
         api_key = settings.api_key.encode()

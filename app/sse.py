@@ -9,6 +9,9 @@ Each event is `data: <json>\\n\\n`; the stream ends with one `data: [DONE]\\n\\n
 - A batch (or n > 1) interleaves its items' frames, each tagged with `index`.
 - A failure (an `Error` item, or an abort carrying a status code) becomes an
   `{"error": {...}}` item, after any output not yet sent; the other items carry on.
+- A request the queue cannot take (`QueueFull`) is still a 200 stream, as in SGLang: one
+  terminal frame per item, empty, with an abort finish_reason carrying the status
+  (`refused_stream_response`).
 
 Structure: `EventStreamBody` is a `MultiplexedBody` (app/multiplex.py): one pump task per
 item, each item's timing recorded the moment the engine delivers, and whatever backlog is
@@ -17,18 +20,34 @@ waiting rendered as one chunk. Leaving the body early aborts every unfinished it
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from quart import Response
-from tributary.engine import Done, Error, Frame, Output, RequestStream
+from quart.wrappers.response import DataBody
+from tributary.engine import (
+    Done,
+    EngineError,
+    Error,
+    Frame,
+    GenerateRequest,
+    Output,
+    RequestStream,
+)
 
 from .errors import abort_status, error_object
 from .multiplex import MultiplexedBody, sse_response
-from .output import OutputAccumulator, encode_json
+from .output import LogprobFormat, OutputAccumulator, encode_json, output_object
 from .timing import RequestTiming
 
-__all__ = ["DONE", "EventStreamBody", "event_stream_response", "sse_event"]
+__all__ = [
+    "DONE",
+    "EventStreamBody",
+    "event_stream_response",
+    "refused_stream_response",
+    "sse_event",
+]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -44,12 +63,56 @@ def event_stream_response(
     batch: bool,
     incremental: bool,
     weight_version: str,
+    logprobs: Sequence[LogprobFormat | None] | None = None,
 ) -> Response:
     return sse_response(
         EventStreamBody(
-            streams, timing, batch=batch, incremental=incremental, weight_version=weight_version
+            streams,
+            timing,
+            batch=batch,
+            incremental=incremental,
+            weight_version=weight_version,
+            logprobs=logprobs,
         )
     )
+
+
+def refused_stream_response(
+    items: Sequence[GenerateRequest],
+    error: EngineError,
+    timing: RequestTiming,
+    *,
+    batch: bool,
+    weight_version: str,
+) -> Response:
+    """SGLang's stream for requests refused before they ran (a full queue): its scheduler
+    aborts each one with the status in the finish_reason, and the stream passes that abort on
+    as an ordinary terminal frame, so the HTTP status is 200. Nothing was submitted."""
+    timing.finish()
+    reason = {
+        "type": "abort",
+        "message": error.message,
+        "status_code": error.http_status,
+        "err_type": None,
+    }
+    frames = [
+        sse_event(
+            output_object(
+                rid=item.rid if item.rid is not None else uuid.uuid4().hex,
+                text="",
+                output_ids=[],
+                prompt_tokens=0,
+                completion_tokens=0,
+                cached_tokens=0,
+                finish_reason=reason,
+                weight_version=weight_version,
+                e2e_latency=timing.e2e_latency,
+                index=i if batch else None,
+            )
+        )
+        for i, item in enumerate(items)
+    ]
+    return sse_response(DataBody(b"".join([*frames, DONE])))
 
 
 class EventStreamBody(MultiplexedBody):
@@ -61,12 +124,13 @@ class EventStreamBody(MultiplexedBody):
         batch: bool,
         incremental: bool,
         weight_version: str,
+        logprobs: Sequence[LogprobFormat | None] | None = None,
     ) -> None:
         super().__init__(streams)
         self._timings = [timing.for_item() for _ in streams]
         self._accs = [
-            OutputAccumulator(s.rid, s.prompt_tokens, weight_version=weight_version)
-            for s in streams
+            OutputAccumulator(s.rid, s.prompt_tokens, weight_version=weight_version, logprobs=fmt)
+            for s, fmt in zip(streams, logprobs or [None] * len(streams), strict=True)
         ]
         self._batch = batch
         self._incremental = incremental

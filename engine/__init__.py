@@ -31,8 +31,12 @@ from .request import Error as Error
 from .request import FinishReason as FinishReason
 from .request import Frame as Frame
 from .request import GenerateRequest as GenerateRequest
+from .request import LogprobRequest as LogprobRequest
+from .request import Logprobs as Logprobs
 from .request import ModelInfo as ModelInfo
 from .request import Output as Output
+from .request import TokenLogprob as TokenLogprob
+from .request import TopLogprobs as TopLogprobs
 from .sampling import SamplingParams as SamplingParams
 from .stream import RequestStream as RequestStream
 

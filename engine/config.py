@@ -49,6 +49,9 @@ class EngineConfig:
     #: Let llama.cpp repack weights (AMX, etc.). Off by default: on these Xeons AMX repacking
     #: crashes every decode (docs/architecture.md, "The AMX crash").
     repack_weights: bool = False
+    #: Accept SGLang custom logit processors (`custom_logit_processor`): pickled Python that
+    #: the client sends and the server runs, so off unless the operator turns it on.
+    enable_custom_logit_processor: bool = False
     #: Latency model for runner="sim".
     sim_latency: SimLatency = dataclasses.field(default_factory=SimLatency)
     #: For fault tests: the sim runner raises RunnerFailure at this step number (1-based).

@@ -14,16 +14,27 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import trio
 
 from .config import EngineConfig
+from .custom_logit_processor import load_processor
 from .detokenize import IncrementalDetokenizer
 from .errors import BadRequest, ContextLengthExceeded, DuplicateRequestId, EngineClosed, QueueFull
-from .request import EngineStats, GenerateRequest, ModelInfo, Output, abort_reason
+from .grammar import GRAMMAR_KINDS, LlgMatcher
+from .logits import LogitHooks, LogprobCollector, ProcessorCall
+from .request import (
+    EngineStats,
+    GenerateRequest,
+    LogprobRequest,
+    ModelInfo,
+    Output,
+    abort_reason,
+)
 from .runners.base import Runner
+from .sampling import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .service_nursery import open_service_nursery
 from .stream import RequestStream
@@ -119,6 +130,12 @@ class Engine:
             errors="replace"
         )
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes, control tokens spelled out (`<|im_end|>`): what logprob
+        entries show for a token. A token may hold part of a UTF-8 character."""
+        self._check_open()
+        return self._runner.token_piece(token_id, special=True)
+
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Validate and enqueue `request`; return its stream at once.
 
@@ -142,10 +159,8 @@ class Engine:
             raise DuplicateRequestId(rid)
         max_new = _check_context(len(prompt_ids), params.max_new_tokens, info.context_length)
         if self._scheduler.queue_depth() >= self.config.max_queued_requests:
-            raise QueueFull(
-                f"The request queue is full ({self.config.max_queued_requests} waiting); "
-                "retry later."
-            )
+            raise QueueFull("The request queue is full.")  # SGLang's words; clients match them
+        hooks = self._hooks(request, prompt_ids, rid)
         sender, receiver = trio.open_memory_channel[Output](math.inf)
         special = not params.skip_special_tokens
         seq = Sequence(
@@ -157,10 +172,14 @@ class Engine:
             detokenizer=IncrementalDetokenizer(
                 lambda t: self._runner.token_piece(t, special=special),
                 stops=params.stop,
+                stop_regexes=params.stop_regex_patterns,
                 no_stop_trim=params.no_stop_trim,
             ),
             sender=sender,
+            hooks=hooks,
         )
+        if hooks is not None and hooks.processor is not None:
+            _bind_request_view(hooks.processor, seq)
         self._live[rid] = seq
         self._scheduler.enqueue(seq)
         return RequestStream(
@@ -229,9 +248,87 @@ class Engine:
             raise BadRequest("texts cannot be empty and tokenizer must be initialized")
         return ids
 
+    def _hooks(
+        self, request: GenerateRequest, prompt_ids: list[int], rid: str
+    ) -> LogitHooks | None:
+        """The per-sequence logits work a request needs, or None (most requests)."""
+        params = request.sampling
+        logprobs = None
+        if request.logprobs is not None:
+            spec = request.logprobs
+            vocab = self._runner.info.vocab_size
+            _check_logprob_request(spec, len(prompt_ids), vocab)
+            logprobs = LogprobCollector(spec, logit_bias=params.logit_bias)
+            logprobs.start_prompt(prompt_ids)
+        processor = None
+        if request.custom_logit_processor:
+            if not self.config.enable_custom_logit_processor:
+                raise BadRequest(
+                    "The server is not configured to enable custom logit processor. Please "
+                    "set `--enable-custom-logit-processor` to enable this feature."
+                )
+            custom = params.custom_params
+            # SGLang hands the processor the request's own dict (plus `__req__`) on every
+            # call, so state it keeps there persists from token to token.
+            processor = ProcessorCall(
+                load_processor(request.custom_logit_processor),
+                dict(custom) if isinstance(custom, Mapping) else None,
+            )
+        grammar = self._grammar(params)
+        if logprobs is None and processor is None and grammar is None:
+            return None
+        return LogitHooks(grammar=grammar, processor=processor, logprobs=logprobs)
+
+    def _grammar(self, params: SamplingParams) -> LlgMatcher | None:
+        """The request's grammar, compiled and checked now (a 400 before anything is queued).
+        An empty grammar string means none, as in SGLang."""
+        kinds = [k for k in GRAMMAR_KINDS if getattr(params, k)]
+        if not kinds:
+            return None
+        if self._runner.grammars is None:
+            raise BadRequest(
+                f"{kinds[0]} needs a runner with a vocabulary (the llama runner); "
+                f"the {self.config.runner} runner cannot constrain decoding."
+            )
+        return self._runner.grammars.matcher(kinds[0], getattr(params, kinds[0]))
+
     def _forget(self, seq: Sequence) -> None:
         if self._live.get(seq.rid) is seq:
             del self._live[seq.rid]
+
+
+class _RequestView:
+    """What SGLang's processors read from `custom_params["__req__"]`: the request's ids (live:
+    `output_ids` grows as tokens are generated) and its rid."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.rid = seq.rid
+        self.origin_input_ids = seq.prompt_ids
+        self.output_ids = seq.output_ids
+
+
+def _bind_request_view(call: ProcessorCall, seq: Sequence) -> None:
+    if call.params is not None:
+        call.params["__req__"] = _RequestView(seq)
+
+
+def _check_logprob_request(spec: LogprobRequest, prompt_len: int, vocab: int) -> None:
+    """SGLang's checks and messages for the logprob fields."""
+    if spec.start_len > prompt_len:
+        raise BadRequest(
+            f"req.logprob_start_len={spec.start_len} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={prompt_len}. Please use a smaller logprob_start_len."
+        )
+    if spec.start_len < -1:
+        raise BadRequest(f"logprob_start_len must be -1 or at least 0, got {spec.start_len}.")
+    if spec.top_n < 0:
+        raise BadRequest(f"top_logprobs_num must be at least 0, got {spec.top_n}.")
+    for token in spec.token_ids or ():
+        if not 0 <= token < vocab:
+            raise BadRequest(
+                f"token_ids_logprob contains out-of-vocabulary token id {token}; "
+                f"valid range is [0, {vocab})."
+            )
 
 
 def _check_context(prompt_len: int, max_new_tokens: int | None, context: int) -> int:

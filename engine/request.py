@@ -20,8 +20,12 @@ __all__ = [
     "FinishReason",
     "Frame",
     "GenerateRequest",
+    "LogprobRequest",
+    "Logprobs",
     "ModelInfo",
     "Output",
+    "TokenLogprob",
+    "TopLogprobs",
     "abort_reason",
     "length_reason",
     "stop_reason",
@@ -45,6 +49,31 @@ def abort_reason(
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
+#: (logprob, token id); the logprob is None only for the first scored prompt position.
+TokenLogprob: TypeAlias = tuple[float | None, int]
+#: One position's alternatives, (logprob, token id) each; None where nothing was scored.
+TopLogprobs: TypeAlias = list[tuple[float, int]] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogprobRequest:
+    """What to score besides sampling: SGLang's `return_logprob` family.
+
+    Logprobs are the log-softmax over the whole vocabulary of the logits the sampler sees
+    before temperature, top-k/top-p/min-p: after logit_bias, the min_new_tokens mask, a
+    grammar's mask and a custom logit processor (SGLang's order), so they are not scaled by
+    temperature and a token a grammar forbids has -inf.
+    """
+
+    #: -1: output positions only; k >= 0: also prompt positions k.. (position k itself has
+    #: no logprob: nothing precedes it in the scored window).
+    start_len: int = -1
+    #: Alternatives per position, most likely first (0: none).
+    top_n: int = 0
+    #: Always report these ids' logprobs at every position (None: none).
+    token_ids: tuple[int, ...] | None = None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
     """One generation. Exactly one of `text` and `input_ids` is used (`input_ids` wins)."""
@@ -54,6 +83,28 @@ class GenerateRequest:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     #: Client request id; the engine makes a uuid4 hex one when absent.
     rid: str | None = None
+    #: Score tokens (None: no logprobs).
+    logprobs: LogprobRequest | None = None
+    #: SGLang's serialized `CustomLogitProcessor` (`{"callable": <dill hex>}`); refused unless
+    #: the engine was configured with `enable_custom_logit_processor`.
+    custom_logit_processor: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Logprobs:
+    """The logprobs that came with one output item.
+
+    Output families cover exactly this item's new `output_ids`. Input (prompt) families come
+    once, with the first item of a request that asked for them, and are None afterwards.
+    `top`/`ids` families are None when not asked for.
+    """
+
+    output_token: list[TokenLogprob]
+    output_top: list[TopLogprobs] | None = None
+    output_ids: list[TopLogprobs] | None = None
+    input_token: list[TokenLogprob] | None = None
+    input_top: list[TopLogprobs] | None = None
+    input_ids: list[TopLogprobs] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +117,7 @@ class Frame:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: Logprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +131,7 @@ class Done:
     completion_tokens: int
     cached_tokens: int
     finish_reason: FinishReason
+    logprobs: Logprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

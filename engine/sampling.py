@@ -13,9 +13,13 @@ and `verify` does what `SamplingParams.verify(vocab_size)` does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, NoReturn
+
+# Not `import regex`: a SamplingParams field has that name.
+import regex as regex_pkg  # type: ignore[import-untyped]
 
 from .errors import InvalidSamplingParams
 
@@ -25,10 +29,13 @@ __all__ = ["GREEDY_TEMPERATURE", "TOP_K_ALL", "SamplingParams"]
 TOP_K_ALL = 1 << 30
 #: Below this temperature SGLang samples greedily (rewritten to temperature 1.0, top_k 1).
 GREEDY_TEMPERATURE = 1e-6
+# SGLang's bounds on stop_regex: each pattern is searched after every token.
+MAX_STOP_REGEX_COUNT = 32
+MAX_STOP_REGEX_BYTES = 256
 
 # Keys SGLang knows but this engine cannot honour yet: a request setting one gets a clear 400
 # instead of being silently served without it.
-_UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+_UNSUPPORTED = ("structural_tag",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,11 +64,25 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
-    stop_regex: str | tuple[str, ...] | None = None
+    #: Normalized: a string becomes a 1-tuple; empty patterns are dropped (as for `stop`).
+    stop_regex: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.top_k == 1
+
+    @functools.cached_property
+    def stop_regex_patterns(self) -> tuple[regex_pkg.Pattern, ...]:
+        """`stop_regex` compiled, once per params object (not a field: equality and
+        `dataclasses.replace` see only the pattern strings). Raises InvalidSamplingParams
+        naming the first pattern that does not compile."""
+        patterns = []
+        for pattern in self.stop_regex:
+            try:
+                patterns.append(regex_pkg.compile(pattern))
+            except regex_pkg.error as exc:
+                _fail(f"invalid stop_regex '{pattern}': {exc}")
+        return tuple(patterns)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any] | None) -> SamplingParams:
@@ -133,8 +154,19 @@ class SamplingParams:
             _fail(f"n must be at least 1, got {self.n}.")
         if self.stream_interval is not None and self.stream_interval < 1:
             _fail(f"stream_interval must be at least 1, got {self.stream_interval}.")
-        if sum(x is not None for x in (self.regex, self.json_schema, self.ebnf)) > 1:
-            _fail("Only one of regex, json_schema, or ebnf can be set.")
+        if len(self.stop_regex) > MAX_STOP_REGEX_COUNT:
+            _fail(
+                f"at most {MAX_STOP_REGEX_COUNT} stop_regex patterns are allowed, "
+                f"got {len(self.stop_regex)}"
+            )
+        for pattern in self.stop_regex:
+            size = len(pattern.encode())
+            if size > MAX_STOP_REGEX_BYTES:
+                _fail(f"stop_regex is {size} bytes, over the {MAX_STOP_REGEX_BYTES}-byte limit")
+        _ = self.stop_regex_patterns  # compiled now: a pattern that does not compile is a 400
+        grammars = (self.regex, self.json_schema, self.ebnf, self.structural_tag)
+        if sum(bool(x) for x in grammars) > 1:
+            _fail("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
         for key in _UNSUPPORTED:
             if getattr(self, key) is not None:
                 _fail(f"{key} is not supported by this server yet.")
@@ -193,11 +225,10 @@ def _coerce(key: str, value: Any) -> Any:
             _fail(f"stop must be a string or a list of strings, got {value!r}.")
         return tuple(s for s in stops if s)
     if key == "stop_regex":
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return tuple(value)
-        _fail(f"stop_regex must be a string or a list of strings, got {value!r}.")
+        patterns = [value] if isinstance(value, str) else value
+        if not isinstance(patterns, list) or not all(isinstance(s, str) for s in patterns):
+            _fail(f"stop_regex must be a string or a list of strings, got {value!r}.")
+        return tuple(s for s in patterns if s)
     if key == "stop_token_ids":
         ids = value if isinstance(value, list) else None
         if ids is None or not all(

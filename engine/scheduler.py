@@ -27,13 +27,15 @@ import trio
 
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
-from .errors import EngineError, RunnerFailure
+from .errors import BadRequest, EngineError, RunnerFailure
+from .logits import LogitHooks
 from .request import (
     Done,
     EngineStats,
     Error,
     FinishReason,
     Frame,
+    Logprobs,
     Output,
     abort_reason,
     length_reason,
@@ -60,6 +62,7 @@ class Sequence:
         stream_interval: int,
         detokenizer: IncrementalDetokenizer,
         sender: trio.MemorySendChannel[Output],
+        hooks: LogitHooks | None = None,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -68,6 +71,7 @@ class Sequence:
         self.stream_interval = stream_interval
         self.detok = detokenizer
         self.sender = sender
+        self.hooks = hooks
         self.slot: int | None = None
         self.prefilled = 0  # prompt tokens in the KV cache
         self.output_ids: list[int] = []
@@ -83,19 +87,43 @@ class Sequence:
             # The consumer left; its RequestStream has already marked us aborted.
             pass
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs were asked for (so the prompt is computed even when no token
+        is to be generated)."""
+        return (
+            self.hooks is not None
+            and self.hooks.logprobs is not None
+            and self.hooks.logprobs.spec.start_len >= 0
+        )
+
     def emit_frame(self) -> None:
         text = self.detok.take_delta(final=False)
         ids = self.output_ids[self.emitted_ids :]
         self.emitted_ids = len(self.output_ids)
-        self.send(Frame(self.rid, text, ids, *self._counts()))
+        self.send(Frame(self.rid, text, ids, *self._counts(), logprobs=self._logprobs()))
 
     def emit_done(self, reason: FinishReason) -> None:
         text = self.detok.take_delta(final=True)
         ids = self.output_ids[self.emitted_ids :]
         self.emitted_ids = len(self.output_ids)
         self.finished = True
-        self.send(Done(self.rid, text, ids, *self._counts(), finish_reason=reason))
+        self.send(
+            Done(
+                self.rid,
+                text,
+                ids,
+                *self._counts(),
+                finish_reason=reason,
+                logprobs=self._logprobs(),
+            )
+        )
         self.sender.close()
+
+    def _logprobs(self) -> Logprobs | None:
+        if self.hooks is None or self.hooks.logprobs is None:
+            return None
+        return self.hooks.logprobs.take()
 
     def emit_error(self, error: EngineError) -> None:
         self.finished = True
@@ -176,14 +204,14 @@ class Scheduler:
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()
                     continue
-                plan, sampling = self._plan()
+                plan, sampling, stepped = self._plan()
                 try:
                     sampled = await self.runner.step(plan)
                 except Exception as exc:
                     self._fail_step(plan, exc)
                     continue
                 self.steps += 1
-                self._commit(sampling, sampled)
+                self._commit(sampling, sampled, stepped)
         finally:
             self._shutdown()
 
@@ -194,49 +222,98 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
-            if seq.max_new_tokens == 0:
+            if seq.max_new_tokens == 0 and not seq.scores_prompt:
                 self._finish(seq, length_reason(0))
                 continue
             seq.slot = heapq.heappop(self._free_slots)
             self.runner.open_sequence(seq.slot, seq.params)
             self.running.append(seq)
 
-    def _plan(self) -> tuple[list[SeqStep], list[Sequence]]:
+    def _plan(self) -> tuple[list[SeqStep], list[Sequence], list[Sequence]]:
+        """The step's entries; the sequences that get a token, in plan order; and every
+        sequence in the step."""
         plan: list[SeqStep] = []
-        sampling: list[Sequence] = []  # the sequences that get a token, in plan order
+        sampling: list[Sequence] = []
+        stepped: list[Sequence] = []
         budget = self.prefill_chunk
         for seq in self.running:
             assert seq.slot is not None
             prompt_len = len(seq.prompt_ids)
             if seq.prefilled == prompt_len:  # decoding
                 pos = prompt_len + len(seq.output_ids) - 1
-                plan.append(SeqStep(seq.slot, [seq.output_ids[-1]], pos, True, self._suppress(seq)))
-                sampling.append(seq)
-            else:
-                # Chunks are cut at fixed multiples of prefill_chunk from the prompt's start,
-                # never by what budget is left, so a prompt is computed in the same pieces
-                # whatever else runs (the first prefilling sequence always fits).
-                end = min(
-                    prompt_len, (seq.prefilled // self.prefill_chunk + 1) * self.prefill_chunk
+                plan.append(
+                    SeqStep(
+                        seq.slot, [seq.output_ids[-1]], pos, True, self._suppress(seq), seq.hooks
+                    )
                 )
-                if end - seq.prefilled > budget:
-                    continue
-                chunk = seq.prompt_ids[seq.prefilled : end]
-                done = end == prompt_len
-                plan.append(SeqStep(seq.slot, chunk, seq.prefilled, done, self._suppress(seq)))
-                seq.prefilled = end
-                budget -= len(chunk)
-                if done:
-                    sampling.append(seq)
-        return plan, sampling
+                sampling.append(seq)
+                stepped.append(seq)
+                continue
+            # Chunks are cut at fixed multiples of prefill_chunk from the prompt's start,
+            # never by what budget is left, so a prompt is computed in the same pieces
+            # whatever else runs (the first prefilling sequence always fits).
+            start = seq.prefilled
+            end = min(prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            if end - start > budget:
+                continue
+            done = end == prompt_len
+            sample = done and seq.max_new_tokens > 0
+            targets, offset = self._prompt_targets(seq, start, end)
+            plan.append(
+                SeqStep(
+                    seq.slot,
+                    seq.prompt_ids[start:end],
+                    start,
+                    sample,
+                    self._suppress(seq),
+                    seq.hooks,
+                    targets,
+                    offset,
+                )
+            )
+            seq.prefilled = end
+            budget -= end - start
+            stepped.append(seq)
+            if sample:
+                sampling.append(seq)
+        return plan, sampling, stepped
 
-    def _commit(self, sampling: list[Sequence], sampled: list[int]) -> None:
+    @staticmethod
+    def _prompt_targets(seq: Sequence, start: int, end: int) -> tuple[list[int] | None, int]:
+        """Prompt logprobs for a chunk [start, end): the logits at position j score prompt
+        token j + 1, for the positions from the request's logprob_start_len on (its first
+        position has no logprob) up to the prompt's second-to-last (the last one's logits
+        sample the first output token)."""
+        if not seq.scores_prompt:
+            return None, 0
+        assert seq.hooks is not None and seq.hooks.logprobs is not None
+        first = max(start, seq.hooks.logprobs.spec.start_len)
+        last = min(end, len(seq.prompt_ids) - 1)  # exclusive
+        if first >= last:
+            return None, 0
+        return seq.prompt_ids[first + 1 : last + 1], first - start
+
+    def _commit(
+        self, sampling: list[Sequence], sampled: list[int], stepped: list[Sequence]
+    ) -> None:
         self.generated_tokens += len(sampled)
+        for seq in stepped:
+            if seq.abort is None and seq.hooks is not None and seq.hooks.failure is not None:
+                self._fail(seq, seq.hooks.failure)
+            elif (
+                seq.abort is None
+                and seq.max_new_tokens == 0
+                and seq.prefilled == len(seq.prompt_ids)
+            ):
+                self._finish(seq, length_reason(0))  # prompt scored, nothing to generate
         for seq, token in zip(sampling, sampled, strict=True):
-            if seq.abort is not None:
-                continue  # reaped at the next boundary; its token is dropped
+            if seq.abort is not None or seq.finished:
+                continue  # aborted: reaped at the next boundary; its token is dropped
             seq.output_ids.append(token)
-            reason = self._check_finished(seq, token)
+            try:
+                reason = self._check_finished(seq, token)
+            except BadRequest as exc:  # the request's own stop_regex failed on its output
+                reason = abort_reason(exc.message, status_code=400, err_type="BadRequestError")
             if reason is not None:
                 self._finish(seq, reason)
             elif len(seq.output_ids) - seq.emitted_ids >= seq.stream_interval:
@@ -261,7 +338,12 @@ class Scheduler:
         if is_stop_token and may_stop:
             return stop_reason(token)  # counted in output_ids, never rendered into text
         matched = seq.detok.add(token, check_stops=may_stop)
-        return None if matched is None else stop_reason(matched)
+        if matched is not None:
+            return stop_reason(matched)
+        grammar = seq.hooks.grammar if seq.hooks is not None else None
+        if grammar is not None and grammar.finished:
+            return stop_reason(token)  # SGLang: a grammar that ends stops on its last token
+        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._release(seq)
@@ -276,9 +358,12 @@ class Scheduler:
         failed = [seq for seq in self.running if seq.slot in slots]
         LOGGER.error("runner step failed; failing its %d sequences", len(failed), exc_info=exc)
         for seq in failed:
-            self._release(seq)
-            seq.emit_error(error)
-            self._forget(seq)
+            self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, error: EngineError) -> None:
+        self._release(seq)
+        seq.emit_error(error)
+        self._forget(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:

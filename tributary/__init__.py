@@ -74,6 +74,8 @@ from tributary.engine import (
 )
 from tributary.engine import (
     InvalidSamplingParams as InvalidSamplingParams,
+    LogprobRequest as LogprobRequest,
+    Logprobs as Logprobs,
 )
 from tributary.engine import (
     ModelInfo as ModelInfo,

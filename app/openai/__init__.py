@@ -7,10 +7,11 @@ Synopsis::
 
     quart_app.register_blueprint(openai_blueprint(eng, settings))   # create_app does this
 
-Modules: `protocol` parses bodies (`messages` the chat messages), `served` holds the model
-and the pre-submit checks, `chat_template` renders the GGUF template, `choices` drains unary
-requests and counts usage, `streaming` sends chunks over SSE, `completions`/`chat` shape each
-endpoint, `errors` the error bodies, `routes` the blueprint.
+Modules: `protocol` parses bodies (`messages` the chat messages, `response_format` the
+structured-output option), `served` holds the model and the pre-submit checks,
+`chat_template` renders the GGUF template, `choices` drains unary requests and counts usage,
+`streaming` sends chunks over SSE, `logprobs` shapes token scores, `completions`/`chat` shape
+each endpoint, `errors` the error bodies, `routes` the blueprint.
 """
 
 from .chat_template import ChatTemplate as ChatTemplate

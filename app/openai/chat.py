@@ -14,6 +14,11 @@ Streaming (`chat.completion.chunk`), per choice: `delta: {"role": "assistant", "
 with its first output, then `delta: {"content": ...}` for each non-empty delta, then
 `delta: {}` with `finish_reason`; with `stream_options.include_usage`, `"usage": null` on
 every chunk and a last chunk with empty `choices` and the usage. Then `data: [DONE]`.
+
+With `logprobs: true`, `choices[i].logprobs` is `{"content": [{"token", "logprob", "bytes",
+"top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]}` (logprobs.py); in a stream each
+content chunk carries the entries of its own tokens (so one may have logprobs and empty
+content), the others `"logprobs": null`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tributary.engine import Done, Frame
 from ..generate import submit_all
 from ..output import json_response
 from .choices import Choice, collect, finish_fields, usage_object
+from .logprobs import TokenSpeller, chat_logprob_content
 from .protocol import ChatRequest, parse_chat
 from .served import ServedModel
 from .streaming import chunk_stream_response
@@ -51,7 +57,7 @@ async def create_chat_completion(served: ServedModel, body: Any, owned: list[Any
     owned.extend(streams)
     head = served.response_head("chatcmpl", "chat.completion", req)
     if req.stream:
-        return chunk_stream_response(streams, _Chunks(head, req))
+        return chunk_stream_response(streams, _Chunks(head, req, served.speller))
     choices = await collect(streams)
     return json_response(
         {
@@ -60,7 +66,17 @@ async def create_chat_completion(served: ServedModel, body: Any, owned: list[Any
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": choice.text},
-                    "logprobs": None,
+                    "logprobs": (
+                        {
+                            "content": [
+                                entry
+                                for lp in choice.logprobs
+                                for entry in chat_logprob_content(served.speller, lp)
+                            ]
+                        }
+                        if req.logprobs is not None
+                        else None
+                    ),
                     **finish_fields(choice.finish_reason),
                 }
                 for i, choice in enumerate(choices)
@@ -71,10 +87,11 @@ async def create_chat_completion(served: ServedModel, body: Any, owned: list[Any
 
 
 class _Chunks:
-    def __init__(self, head: dict[str, Any], req: ChatRequest) -> None:
+    def __init__(self, head: dict[str, Any], req: ChatRequest, speller: TokenSpeller) -> None:
         self._head = {**head, "object": "chat.completion.chunk"}
         self._n = req.n
         self._include_usage = req.include_usage
+        self._speller = speller if req.logprobs is not None else None
         self._started: set[int] = set()
 
     def on_output(self, index: int, item: Frame | Done, choice: Choice) -> list[dict[str, Any]]:
@@ -82,8 +99,12 @@ class _Chunks:
         if index not in self._started:
             self._started.add(index)
             chunks.append(self._chunk(index, {"role": "assistant", "content": ""}))
-        if item.text:
-            chunks.append(self._chunk(index, {"content": item.text}))
+        content = None
+        if self._speller is not None and item.logprobs is not None:
+            content = chat_logprob_content(self._speller, item.logprobs)
+        if item.text or content:
+            logprobs = None if content is None else {"content": content}
+            chunks.append(self._chunk(index, {"content": item.text}, logprobs=logprobs))
         if isinstance(item, Done):
             chunks.append(self._chunk(index, {}, finish_fields(choice.finish_reason)))
         return chunks
@@ -94,12 +115,17 @@ class _Chunks:
         return [{**self._head, "choices": [], "usage": usage_object(choices, n=self._n)}]
 
     def _chunk(
-        self, index: int, delta: dict[str, Any], finish: dict[str, Any] | None = None
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish: dict[str, Any] | None = None,
+        *,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choice = {
             "index": index,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             **(finish or {"finish_reason": None}),
         }
         chunk = {**self._head, "choices": [choice]}

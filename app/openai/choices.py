@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import trio
-from tributary.engine import Done, EngineError, Error, FinishReason, Output, RequestStream
+from tributary.engine import (
+    Done,
+    EngineError,
+    Error,
+    FinishReason,
+    Logprobs,
+    Output,
+    RequestStream,
+)
 
 from ..errors import abort_status
 from .errors import StatusError
@@ -35,6 +43,8 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    #: The logprobs each item carried, in order (empty when none were asked for).
+    logprobs: list[Logprobs] = dataclasses.field(default_factory=list)
 
     def add(self, item: Output) -> EngineError | None:
         """Fold one engine item in; return the failure it reports, if any."""
@@ -44,6 +54,8 @@ class Choice:
         self.prompt_tokens = item.prompt_tokens
         self.completion_tokens = item.completion_tokens
         self.cached_tokens = item.cached_tokens
+        if item.logprobs is not None:
+            self.logprobs.append(item.logprobs)
         if isinstance(item, Done):
             self.finish_reason = item.finish_reason
             aborted = abort_status(item.finish_reason)

@@ -14,6 +14,11 @@ about), the last one of each choice carrying `finish_reason`; with
 
 Choices are prompt-major: choice `i` is sample `i % n` of prompt `i // n`. `echo` prefixes
 each choice's text with its prompt (token prompts are detokenized).
+
+With `logprobs: N`, `choices[i].logprobs` is `{"text_offset", "token_logprobs", "tokens",
+"top_logprobs"}` (logprobs.py), the prompt's entries first with `echo`; a stream's chunks each
+carry the entries of their own tokens (the prompt's in a choice's first chunk), so a chunk may
+have logprobs and empty text.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tributary.engine import Done, Frame
 from ..generate import submit_all
 from ..output import json_response
 from .choices import Choice, collect, finish_fields, usage_object
+from .logprobs import CompletionLogprobs, merge_completion_logprobs
 from .protocol import CompletionRequest, parse_completion
 from .served import ServedModel
 from .streaming import chunk_stream_response
@@ -44,8 +50,9 @@ async def create_completion(served: ServedModel, body: Any, owned: list[Any]) ->
     streams = submit_all(engine, served.expand(req.prompts, req))
     owned.extend(streams)
     head = served.response_head("cmpl", "text_completion", req)
+    shapers = _logprob_shapers(served, req, echoes, len(streams))
     if req.stream:
-        return chunk_stream_response(streams, _Chunks(head, req, echoes))
+        return chunk_stream_response(streams, _Chunks(head, req, echoes, shapers))
     choices = await collect(streams)
     return json_response(
         {
@@ -54,7 +61,11 @@ async def create_completion(served: ServedModel, body: Any, owned: list[Any]) ->
                 {
                     "index": i,
                     "text": (echoes[i] if echoes else "") + choice.text,
-                    "logprobs": None,
+                    "logprobs": (
+                        merge_completion_logprobs([shapers[i].render(lp) for lp in choice.logprobs])
+                        if shapers
+                        else None
+                    ),
                     **finish_fields(choice.finish_reason),
                 }
                 for i, choice in enumerate(choices)
@@ -73,32 +84,59 @@ def _echoes(served: ServedModel, req: CompletionRequest) -> list[str]:
     return [text for text in texts for _ in range(req.n)]
 
 
+def _logprob_shapers(
+    served: ServedModel, req: CompletionRequest, echoes: list[str] | None, count: int
+) -> list[CompletionLogprobs] | None:
+    """One per choice when logprobs were asked for."""
+    if req.logprobs is None:
+        return None
+    special = not req.sampling.skip_special_tokens
+    return [
+        CompletionLogprobs(served.speller, echo=echoes[i] if echoes else None, special=special)
+        for i in range(count)
+    ]
+
+
 class _Chunks:
     def __init__(
-        self, head: dict[str, Any], req: CompletionRequest, echoes: list[str] | None
+        self,
+        head: dict[str, Any],
+        req: CompletionRequest,
+        echoes: list[str] | None,
+        shapers: list[CompletionLogprobs] | None,
     ) -> None:
         self._head = head
         self._n = req.n
         self._include_usage = req.include_usage
         self._pending_echo = dict(enumerate(echoes)) if echoes else {}
+        self._shapers = shapers
 
     def on_output(self, index: int, item: Frame | Done, choice: Choice) -> list[dict[str, Any]]:
         text = self._pending_echo.pop(index, "") + item.text
+        logprobs = None
+        if self._shapers is not None and item.logprobs is not None:
+            logprobs = self._shapers[index].render(item.logprobs)
         if isinstance(item, Frame):
-            if not text:
+            if not text and not (logprobs and logprobs["tokens"]):
                 return []
-            return [self._chunk(index, text, {"finish_reason": None})]
-        return [self._chunk(index, text, finish_fields(choice.finish_reason))]
+            return [self._chunk(index, text, logprobs, {"finish_reason": None})]
+        return [self._chunk(index, text, logprobs, finish_fields(choice.finish_reason))]
 
     def on_end(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
         if not self._include_usage:
             return []
         return [{**self._head, "choices": [], "usage": usage_object(choices, n=self._n)}]
 
-    def _chunk(self, index: int, text: str, finish: dict[str, Any]) -> dict[str, Any]:
+    def _chunk(
+        self,
+        index: int,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        finish: dict[str, Any],
+    ) -> dict[str, Any]:
         chunk = {
             **self._head,
-            "choices": [{"index": index, "text": text, "logprobs": None, **finish}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, **finish}],
         }
         if self._include_usage:
             chunk["usage"] = None

@@ -5,23 +5,30 @@ Synopsis::
     req = parse_completion(body, vocab_size=eng.model_info.vocab_size)
     req.prompts        # list[str | list[int]], one entry per prompt, in request order
     req.sampling       # engine.SamplingParams for ONE sample (n is req.n)
+    req.logprobs       # engine.LogprobRequest, or None
 
     req = parse_chat(body, vocab_size=...)
     req.messages       # [{"role": ..., "content": str}, ...] ready for the chat template
 
 Mapping onto SGLang's sampling parameters (as SGLang's OpenAI adapter does): `max_tokens`
 (chat: `max_completion_tokens` first) -> `max_new_tokens`, `seed` -> `sampling_seed`,
-`min_tokens` -> `min_new_tokens`; `temperature`, `top_p`, `presence_penalty`,
-`frequency_penalty`, `logit_bias`, `stop` and the SGLang extras (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `no_stop_trim`,
-`spaces_between_special_tokens`, `regex`, `json_schema`, `ebnf`) keep their names and the
-engine's validation and messages. `max_tokens` defaults to 16 on completions (OpenAI's
-default) and to "until the context is full" on chat; an explicit null means the latter.
+`min_tokens` -> `min_new_tokens`, `response_format` -> `json_schema` (response_format.py);
+`temperature`, `top_p`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `stop` and the
+SGLang extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`stop_regex`, `skip_special_tokens`, `no_stop_trim`, `spaces_between_special_tokens`, `regex`,
+`json_schema`, `ebnf`, `custom_params`) keep their names and the engine's validation and
+messages; `custom_logit_processor` goes to the request. `max_tokens` defaults to 16 on
+completions (OpenAI's default) and to "until the context is full" on chat; an explicit null
+means the latter.
+
+Logprobs: completions' `logprobs: N` (0..20) scores the output with N alternatives, and with
+`echo` and N > 0 the prompt too (SGLang's `logprob_start_len = 0 if echo and logprobs`);
+chat's `logprobs: true` with `top_logprobs: N` (0..20; only with logprobs) the output.
 
 Unknown keys are ignored, as SGLang and vLLM do; keys that would change the answer and that
-this server cannot honour (logprobs, tools, suffix, non-text content, ...) are a 400 rather
-than silently dropped. Every failure raises `InvalidRequest` or an `engine.BadRequest`;
-nothing is submitted.
+this server cannot honour (tools, suffix, non-text content, ...) are a 400 rather than
+silently dropped. Every failure raises `InvalidRequest` or an `engine.BadRequest`; nothing is
+submitted.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tributary.engine import SamplingParams
+from tributary.engine import LogprobRequest, SamplingParams
 
 from .errors import InvalidRequest
 from .messages import parse_messages
+from .response_format import GRAMMAR_CONFLICT, response_format_schema
 
 __all__ = [
     "ChatRequest",
@@ -45,6 +53,8 @@ __all__ = [
 
 #: OpenAI's default `max_tokens` for /v1/completions.
 COMPLETION_MAX_TOKENS = 16
+#: The most alternatives per position (`logprobs`, `top_logprobs`): OpenAI's bound.
+MAX_TOP_LOGPROBS = 20
 
 # OpenAI key -> SamplingParams key, for every key passed straight through.
 _SAMPLING_KEYS = {
@@ -67,6 +77,9 @@ _SAMPLING_KEYS = {
     "regex": "regex",
     "json_schema": "json_schema",
     "ebnf": "ebnf",
+    "structural_tag": "structural_tag",  # the engine answers "not supported yet"
+    "stop_regex": "stop_regex",
+    "custom_params": "custom_params",
 }
 
 
@@ -75,8 +88,6 @@ def _set(value: Any) -> bool:
 
 
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v is not None and v is not False,
-    "top_logprobs": lambda v: v is not None,
     "lora_path": _set,
 }
 _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
@@ -89,7 +100,6 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "functions": _set,
     "tool_choice": lambda v: v not in (None, "none", "auto"),
     "function_call": lambda v: v not in (None, "none", "auto"),
-    "response_format": lambda v: v is not None and v != {"type": "text"},
     "audio": _set,
     "modalities": lambda v: v is not None and v != ["text"],
     "prediction": _set,
@@ -107,6 +117,10 @@ class OpenAIRequest:
     include_usage: bool
     #: SGLang's `rid`; multi-choice requests fan it out as `rid_0`, `rid_1`, ...
     rid: str | None
+    #: What to score (None: no logprobs).
+    logprobs: LogprobRequest | None = None
+    #: SGLang's serialized custom logit processor (the engine decides whether it may run).
+    custom_logit_processor: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,8 +142,14 @@ def parse_completion(body: Any, *, vocab_size: int) -> CompletionRequest:
     best_of = body.get("best_of")
     if best_of is not None and best_of != common["n"]:
         raise InvalidRequest("best_of is not supported by this server yet.", param="best_of")
+    echo = _bool(body, "echo")
+    top = _top_count(body, "logprobs")
+    logprobs = None
+    if top is not None:
+        # SGLang: the prompt is scored only when echo shows it and alternatives are asked for.
+        logprobs = LogprobRequest(start_len=0 if echo and top > 0 else -1, top_n=top)
     return CompletionRequest(
-        prompts=_prompts(body.get("prompt")), echo=_bool(body, "echo"), **common
+        prompts=_prompts(body.get("prompt")), echo=echo, logprobs=logprobs, **common
     )
 
 
@@ -139,7 +159,14 @@ def parse_chat(body: Any, *, vocab_size: int) -> ChatRequest:
     messages = parse_messages(body.get("messages"))
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     common = _common(body, body.get(key), key, vocab_size)
-    return ChatRequest(messages=messages, **common)
+    wanted = _bool(body, "logprobs")
+    top = _top_count(body, "top_logprobs")
+    if top is not None and not wanted:
+        raise InvalidRequest(
+            "top_logprobs can only be set when logprobs is true.", param="top_logprobs"
+        )
+    logprobs = LogprobRequest(top_n=top or 0) if wanted else None
+    return ChatRequest(messages=messages, logprobs=logprobs, **common)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -163,6 +190,18 @@ def _bool(body: dict[str, Any], key: str) -> bool:
     return value
 
 
+def _top_count(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"{key} must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {value!r}.",
+            param=key,
+        )
+    return value
+
+
 def _common(body: dict[str, Any], max_tokens: Any, max_key: str, vocab_size: int) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -175,6 +214,11 @@ def _common(body: dict[str, Any], max_tokens: Any, max_key: str, vocab_size: int
     for key, target in _SAMPLING_KEYS.items():
         if key in body:
             raw[target] = body[key]
+    schema = response_format_schema(body.get("response_format"))
+    if schema is not None:
+        if raw.get("json_schema"):
+            raise InvalidRequest(GRAMMAR_CONFLICT, param="response_format")
+        raw["json_schema"] = schema
     sampling = SamplingParams.from_dict(raw)
     sampling.verify(vocab_size)
     stream = _bool(body, "stream")
@@ -191,6 +235,12 @@ def _common(body: dict[str, Any], max_tokens: Any, max_key: str, vocab_size: int
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise InvalidRequest(f"rid must be a string, got {rid!r}.", param="rid")
+    processor = body.get("custom_logit_processor")
+    if processor is not None and not isinstance(processor, str):
+        raise InvalidRequest(
+            f"custom_logit_processor must be a string, got {processor!r}.",
+            param="custom_logit_processor",
+        )
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest(f"user must be a string, got {user!r}.", param="user")
@@ -201,6 +251,7 @@ def _common(body: dict[str, Any], max_tokens: Any, max_key: str, vocab_size: int
         "stream": stream,
         "include_usage": include_usage,
         "rid": rid,
+        "custom_logit_processor": processor,
     }
 
 

@@ -24,6 +24,7 @@ from tributary.engine import Engine, GenerateRequest
 from ..normalize import check_fan_out, seeded_sample
 from .chat_template import ChatTemplate
 from .errors import InvalidRequest, ModelNotFound, NoChatTemplate
+from .logprobs import TokenSpeller
 from .protocol import OpenAIRequest
 
 __all__ = ["ServedModel"]
@@ -38,6 +39,8 @@ class ServedModel:
     #: Unix time the API started serving it (OpenAI's model card `created`).
     created: int
     template: ChatTemplate | None
+    #: How logprob entries spell token ids.
+    speller: TokenSpeller
 
     @classmethod
     def for_engine(cls, engine: Engine) -> ServedModel:
@@ -54,6 +57,7 @@ class ServedModel:
             name=engine.config.served_model_name or info.name,
             created=int(time.time()),
             template=template,
+            speller=TokenSpeller(engine),
         )
 
     @property
@@ -118,6 +122,8 @@ class ServedModel:
                         input_ids=prompt if isinstance(prompt, list) else None,
                         sampling=seeded_sample(req.sampling, s),
                         rid=rids[p * req.n + s],
+                        logprobs=req.logprobs,
+                        custom_logit_processor=req.custom_logit_processor,
                     )
                 )
         return items

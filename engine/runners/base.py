@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..grammar import Grammars
+from ..logits import LogitHooks
 from ..request import ModelInfo
 from ..sampling import SamplingParams
 
@@ -28,10 +30,23 @@ class SeqStep:
     #: Token ids that must not be sampled this step (EOS and stop tokens before
     #: min_new_tokens is reached).
     suppress: frozenset[int] = frozenset()
+    #: Per-sequence logits work (grammar, custom processor, logprobs); None for most
+    #: requests, which then cost nothing extra. See engine/logits.py for the call order.
+    hooks: LogitHooks | None = None
+    #: Prompt logprobs: the logits after `tokens[prompt_offset + j]` score
+    #: `prompt_targets[j]` (through `hooks.score_prompt`). None: score no prompt position.
+    prompt_targets: list[int] | None = None
+    prompt_offset: int = 0
 
 
 class Runner(Protocol):
     info: ModelInfo
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """Compiles requests' grammars (regex, json_schema, ebnf) for this vocabulary; None
+        if this runner cannot constrain decoding."""
+        ...
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
 
@@ -50,7 +65,9 @@ class Runner(Protocol):
     async def step(self, plan: Sequence[SeqStep]) -> list[int]:
         """Run one forward pass over `plan` and sample where asked.
 
-        Returns one token id per entry with `sample=True`, in plan order. Raises
+        Returns one token id per entry with `sample=True`, in plan order. An entry with
+        `hooks` has its sampling row passed through `hooks.prepare` before sampling and
+        `hooks.sampled` after, and its `prompt_targets` scored. Raises
         RunnerFailure if the forward pass failed; the sequences in `plan` are then in an
         unknown state and the scheduler closes them.
         """

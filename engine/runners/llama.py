@@ -36,11 +36,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import llama_cpp
+import numpy as np
 import outcome
 import trio
 
 from ..config import EngineConfig
 from ..errors import RunnerFailure
+from ..grammar import Grammars
 from ..request import ModelInfo
 from ..sampling import SamplingParams
 from .base import SeqStep
@@ -128,6 +130,7 @@ class LlamaRunner:
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._kv_used = 0
         self._closed = False
+        self.grammars = Grammars(_lltokenizer(self._vocab, n_vocab), n_vocab)
         self.info = ModelInfo(
             name=config.served_model_name or path.name.removesuffix(".gguf"),
             path=str(path),
@@ -257,10 +260,12 @@ class LlamaRunner:
         batch = self._batch
         n = 0
         outputs: list[tuple[int, int]] = []  # (plan index, batch index)
+        scored: list[tuple[int, int]] = []  # (plan index, batch index of the first scored row)
         # With one KV stream per sequence, llama.cpp cuts a batch into separate graphs at
         # every break in ascending, consecutive sequence ids; so the batch goes in id order.
         for i in sorted(members, key=lambda i: plan[i].seq_id):
             s = plan[i]
+            first = n
             for j, token in enumerate(s.tokens):
                 batch.token[n] = token
                 batch.pos[n] = s.start_pos + j
@@ -268,6 +273,12 @@ class LlamaRunner:
                 batch.seq_id[n][0] = s.seq_id
                 batch.logits[n] = 0
                 n += 1
+            if s.prompt_targets:
+                # Prompt logprobs need the logits of every scored position, not only the last.
+                lo = first + s.prompt_offset
+                for k in range(lo, lo + len(s.prompt_targets)):
+                    batch.logits[k] = 1
+                scored.append((i, lo))
             if s.sample:
                 batch.logits[n - 1] = 1
                 outputs.append((i, n - 1))
@@ -276,6 +287,10 @@ class LlamaRunner:
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:
             raise RunnerFailure(f"llama_decode failed with status {rc}")
+        for i, lo in scored:
+            s = plan[i]
+            assert s.hooks is not None and s.prompt_targets is not None
+            s.hooks.score_prompt(self._rows(lo, len(s.prompt_targets)), s.prompt_targets)
         for i, idx in outputs:
             s = plan[i]
             if s.suppress:
@@ -283,7 +298,31 @@ class LlamaRunner:
                 for token in s.suppress:
                     if 0 <= token < self._n_vocab:  # never write outside the row
                         logits[token] = -math.inf
-            sampled[i] = llama_cpp.llama_sampler_sample(self._samplers[s.seq_id], self._ctx, idx)
+            if s.hooks is None:
+                sampled[i] = llama_cpp.llama_sampler_sample(
+                    self._samplers[s.seq_id], self._ctx, idx
+                )
+                continue
+            row = self._rows(idx, 1)[0]
+            s.hooks.prepare(row)
+            token = llama_cpp.llama_sampler_sample(self._samplers[s.seq_id], self._ctx, idx)
+            s.hooks.sampled(row, token)
+            sampled[i] = token
+
+    def _rows(self, first: int, count: int) -> np.ndarray:
+        """The logits of `count` consecutive outputs from batch index `first`, as a writable
+        float32 view of llama.cpp's output buffer (no copy): a sequence's outputs are
+        consecutive rows there."""
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, first)
+        rows = np.ctypeslib.as_array(ptr, shape=(count, self._n_vocab))
+        if count > 1:
+            last = llama_cpp.llama_get_logits_ith(self._ctx, first + count - 1)
+            step = self._n_vocab * ctypes.sizeof(ctypes.c_float)
+            assert (
+                ctypes.addressof(last.contents) - ctypes.addressof(ptr.contents)
+                == (count - 1) * step
+            ), "llama.cpp's output rows are not consecutive"
+        return rows
 
     def kv_used_cells(self) -> int:
         # Counted after each step and each removal, never read while a decode runs.
@@ -375,6 +414,42 @@ def compute_thread() -> ComputeThread:
         if _compute_thread is None:
             _compute_thread = ComputeThread()
         return _compute_thread
+
+
+def _lltokenizer(vocab: Any, n_vocab: int) -> Any:
+    """llguidance's view of the vocabulary, for grammars: every token's bytes (control tokens
+    marked with a leading 0xFF, as llguidance expects) and llama.cpp's own tokenizer. The
+    same as `llguidance.llamacpp.lltokenizer_from_vocab`, but through the non-deprecated
+    `llama_vocab_get_attr` (the helper warns once per token). Built once per model (0.2 s);
+    it keeps the vocab pointer, so the model outlives it.
+
+    End-of-generation tokens: llama.cpp's EOS first (a complete grammar allows only the first
+    one), then the other EOG tokens."""
+    import llguidance
+
+    eos = llama_cpp.llama_vocab_eos(vocab)
+    eog = [t for t in range(n_vocab) if t != eos and llama_cpp.llama_vocab_is_eog(vocab, t)]
+    buf = ctypes.create_string_buffer(16 * 1024)
+    control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    user = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    tokens: list[bytes] = []
+    for t in range(n_vocab):
+        n = llama_cpp.llama_token_to_piece(vocab, t, buf, len(buf) - 1, 0, True)
+        if n < 0:
+            raise RunnerFailure(f"token {t}: llama_token_to_piece returned {n}")
+        piece = buf.raw[:n]
+        attr = llama_cpp.llama_vocab_get_attr(vocab, t)
+        if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
+            piece = b"\xff" + piece
+        tokens.append(piece)
+    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
+        tokens=tokens,
+        vocab_ptr=vocab,
+        tokenize_fptr=tokenize,
+        eos_token=[eos, *eog] if eos >= 0 else eog,
+        slices=None,
+    )
 
 
 def _token_or_none(token: int) -> int | None:

@@ -12,6 +12,9 @@ Synopsis::
 - Each step sleeps on Trio's clock for the cost `SimLatency` gives, so under
   `autojump_clock` latencies are exact.
 - `fail_at_step=N` makes step N raise RunnerFailure, for fault tests.
+- Logits, for the hooks (logprobs, custom logit processors): every token has logit 0 but the
+  one the sim would pick, which has `SIM_PICK_LOGIT`; if a hook masks that one, the highest
+  remaining logit is sampled. Prompt positions score as all-zero rows.
 
 It is never used unless asked for by name (`runner="sim"`).
 """
@@ -22,6 +25,7 @@ import random
 import zlib
 from collections.abc import Sequence
 
+import numpy as np
 import trio
 
 from ..config import SimLatency
@@ -36,6 +40,8 @@ _SPECIAL = {0: b"<|endoftext|>", 1: b"<|im_start|>", 2: b"<|im_end|>"}
 _BYTE_OFFSET = 3
 VOCAB_SIZE = 256 + _BYTE_OFFSET
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
+#: The logit of the token the sim picks; all others have 0.
+SIM_PICK_LOGIT = 5.0
 
 
 class SimRunner:
@@ -57,6 +63,8 @@ class SimRunner:
             bos_token_id=None,
             chat_template=None,
         )
+        #: No grammar engine: constrained decoding needs a real vocabulary (llama runner).
+        self.grammars = None
         self.latency = latency or SimLatency()
         self.fail_at_step = fail_at_step
         self.steps = 0
@@ -92,9 +100,20 @@ class SimRunner:
             seq = self._seqs[s.seq_id]
             assert s.start_pos == seq.kv_len, "positions must continue the sequence"
             seq.feed(s.tokens)
+            if s.hooks is not None and s.prompt_targets:
+                rows = np.zeros((len(s.prompt_targets), VOCAB_SIZE), dtype=np.float32)
+                s.hooks.score_prompt(rows, s.prompt_targets)
             if s.sample:
                 seq.prefilled = True
-                sampled.append(seq.sample(s.suppress))
+                token = seq.sample(s.suppress)
+                if s.hooks is not None:
+                    row = np.zeros(VOCAB_SIZE, dtype=np.float32)
+                    row[token] = SIM_PICK_LOGIT
+                    s.hooks.prepare(row)
+                    if row[token] < SIM_PICK_LOGIT:  # a hook moved the pick
+                        token = int(np.argmax(row))
+                    s.hooks.sampled(row, token)
+                sampled.append(token)
         return sampled
 
     def kv_used_cells(self) -> int:

@@ -43,7 +43,7 @@ def test_the_page_has_examples_for_every_endpoint() -> None:
     text = " ".join(command for command, _ in curl_examples())
     for path in [
         "/generate", "/health", "/health_generate", "/get_model_info", "/get_server_info",
-        "/abort_request", "/flush_cache",
+        "/abort_request", "/flush_cache", "/tokenize", "/detokenize",
     ]:  # fmt: skip
         assert f"{DOC_URL}{path}" in text, path
 

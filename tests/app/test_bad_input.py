@@ -58,7 +58,26 @@ CASES: list[tuple[str, Any, str]] = [
     ),
     ("empty batch", {"text": []}, "The batch is empty"),
     ("empty text", {"text": ""}, "texts cannot be empty"),
-    ("logprobs not yet", {"text": "hi", "return_logprob": True}, "return_logprob is not supported"),
+    (
+        "hidden states not yet",
+        {"text": "hi", "return_hidden_states": True},
+        "return_hidden_states is not supported",
+    ),
+    (
+        "token_ids_logprob not flat",
+        {"text": "hi", "return_logprob": True, "token_ids_logprob": [[0]]},
+        "token_ids_logprob must be a flat list of integers.",
+    ),
+    (
+        "token_ids_logprob out of vocabulary",
+        {"text": "hi", "return_logprob": True, "token_ids_logprob": [-1]},
+        "out-of-vocabulary token id -1",
+    ),
+    (
+        "custom logit processor not enabled",
+        {"text": "hi", "custom_logit_processor": '{"callable": "00"}'},
+        "--enable-custom-logit-processor",
+    ),
     ("embeds not yet", {"input_embeds": [[0.1]]}, "input_embeds is not supported"),
     ("unknown sampling key", {"text": "hi", "sampling_params": {"temperatur": 0}}, "temperatur"),
     (
@@ -92,7 +111,10 @@ SAMPLING_CASES: list[tuple[dict[str, Any], str]] = [
     ({"stop_token_ids": [10**9], "min_new_tokens": 1}, "stop_token_ids must be in [0, 258]"),
     ({"n": 0}, "n must be at least 1, got 0."),
     ({"stream_interval": 0}, "stream_interval must be at least 1, got 0."),
-    ({"regex": "a", "json_schema": "{}"}, "Only one of regex, json_schema, or ebnf can be set."),
+    (
+        {"regex": "a", "json_schema": "{}"},
+        "Only one of json_schema, regex, ebnf, or structural_tag can be set.",
+    ),
 ]
 
 

@@ -17,7 +17,9 @@ from apphelpers import (
     running_server,
     server_settings,
     sim_config,
+    wait_until,
 )
+from tributary.engine import GenerateRequest, SamplingParams
 
 
 async def timed_post(
@@ -308,6 +310,23 @@ async def test_23_runner_failure_in_stream_is_an_indexed_error_item() -> None:
     assert finals[0]["meta_info"]["completion_tokens"] == 5
 
 
+#: SGLang's answer to a unary /generate the queue cannot take (its HTTPException handler's
+#: body: note the status as a string in `type`).
+QUEUE_FULL_BODY = {
+    "object": "error",
+    "message": "The request queue is full.",
+    "type": "503",
+    "param": None,
+    "code": 503,
+}
+QUEUE_FULL_REASON = {
+    "type": "abort",
+    "message": "The request queue is full.",
+    "status_code": 503,
+    "err_type": None,
+}
+
+
 async def test_queue_full_is_503_with_retry_after() -> None:
     config = sim_config(max_running_requests=1, max_queued_requests=1)
     async with running_server(config) as server:
@@ -322,12 +341,69 @@ async def test_queue_full_is_503_with_retry_after() -> None:
                     response = await other.post("/generate", json=long)
                     assert response.status_code == 503
                     assert response.headers["retry-after"] == "1"
-                    assert "queue is full" in response.json()["error"]["message"]
+                    assert response.headers["content-type"] == "application/json"
+                    assert list(response.json().items()) == list(QUEUE_FULL_BODY.items())
+                    batch = await other.post("/generate", json={**long, "text": ["x", "y"]})
+                    assert batch.status_code == 503 and batch.json() == QUEUE_FULL_BODY
                     server.eng.abort_all()
                     short = {"text": "x", "stream": True, "sampling_params": greedy(2)}
                     response = await other.post("/generate", json=short)
                     assert response.status_code == 200  # room again once the queue drained
                     assert parse_sse(response.text)[-1] == "[DONE]"
+
+
+async def test_queue_full_stream_is_a_200_with_an_abort_frame_per_item() -> None:
+    # Two slots, both busy, no queue: nothing more can be taken.
+    config = sim_config(max_running_requests=2, max_queued_requests=0)
+    async with running_server(config) as server:
+        busy = [
+            server.eng.submit(
+                GenerateRequest(
+                    text="busy", sampling=SamplingParams.from_dict({"max_new_tokens": 3000})
+                )
+            )
+            for _ in range(2)
+        ]
+        await wait_until(lambda: server.eng.stats().running == 2)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            single = {"text": "x", "rid": "mine", "stream": True, "sampling_params": greedy(4)}
+            response = await client.post("/generate", json=single)
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            frame, done = parse_sse(response.text)
+            assert done == "[DONE]"
+            assert list(frame) == ["text", "output_ids", "meta_info"]
+            assert frame["text"] == "" and frame["output_ids"] == []
+            meta = frame["meta_info"]
+            assert list(meta) == [*META_KEYS, "e2e_latency"]
+            assert meta["id"] == "mine" and meta["finish_reason"] == QUEUE_FULL_REASON
+            assert meta["prompt_tokens"] == meta["completion_tokens"] == 0
+            assert isinstance(meta["e2e_latency"], float) and meta["e2e_latency"] >= 0
+
+            no_rid = await client.post("/generate", json={**single, "rid": None})
+            (frame, _) = parse_sse(no_rid.text)
+            assert len(frame["meta_info"]["id"]) == 32  # a fresh uuid, as the engine gives
+
+            # A batch is all or nothing: every item gets its own abort frame, by index.
+            batch = {**single, "text": ["a", "b"], "rid": "job"}
+            events = parse_sse((await client.post("/generate", json=batch)).text)
+            assert events[-1] == "[DONE]" and len(events) == 3
+            assert [e["index"] for e in events[:-1]] == [0, 1]
+            assert [e["meta_info"]["id"] for e in events[:-1]] == ["job_0", "job_1"]
+            assert all(e["meta_info"]["finish_reason"] == QUEUE_FULL_REASON for e in events[:-1])
+            samples = {**single, "sampling_params": greedy(4, n=2)}
+            events = parse_sse((await client.post("/generate", json=samples)).text)
+            assert [e["index"] for e in events[:-1]] == [0, 1] and events[-1] == "[DONE]"
+            assert server.eng.stats().waiting == 0  # nothing was submitted
+            assert server.eng.stats().running == 2
+
+            for stream in busy:
+                stream.close()
+            await wait_until(lambda: server.eng.stats().running == 0)
+            response = await client.post("/generate", json=single)
+            events = parse_sse(response.text)
+            assert events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+            assert events[-2]["text"] and events[-1] == "[DONE]"
 
 
 async def test_30_null_resets_defaults_and_null_max_new_tokens_is_unbounded() -> None:

@@ -140,7 +140,7 @@ COMPLETION_CASES: list[tuple[str, Any, int, str]] = [
     ("mixed-prompt", {"prompt": ["a", 1]}, 400, "prompt must be a string"),
     ("unknown-model", {"prompt": "hi", "model": "nope"}, 404, "The model `nope` does not exist."),
     ("out-of-vocabulary", {"prompt": [10**9]}, 400, "out-of-vocabulary"),
-    ("logprobs", {"prompt": "hi", "logprobs": 2}, 400, "logprobs is not supported"),
+    ("logprobs-too-many", {"prompt": "hi", "logprobs": 21}, 400, "between 0 and 20"),
     ("not-an-object", ["hi"], 400, "must be a JSON object"),
 ]
 
@@ -225,6 +225,7 @@ async def test_queue_full_is_a_503_with_retry_after() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             response = await client.post("/v1/completions", json={"prompt": "hi", "n": 2})
             error = assert_openai_error(response, 503, contains="queue is full")
+            assert error["message"] == "The request queue is full."  # SGLang's words
             assert error["type"] == "server_error"
             assert response.headers["retry-after"] == "1"
             assert server.eng.stats().waiting == 0  # all or nothing: no choice was submitted

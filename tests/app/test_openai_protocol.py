@@ -120,13 +120,12 @@ def test_messages() -> None:
 
 
 def test_unsupported_features_are_refused() -> None:
-    for body in ({"logprobs": 1}, {"suffix": "x"}, {"best_of": 2}):
+    for body in ({"suffix": "x"}, {"best_of": 2}):
         with pytest.raises(InvalidRequest, match="not supported"):
             completion(**body)
     for body in (
         {"tools": [{"type": "function"}]},
-        {"response_format": {"type": "json_object"}},
-        {"logprobs": True},
+        {"response_format": {"type": "structural_tag"}},
     ):
         with pytest.raises(InvalidRequest, match="not supported"):
             chat(**body)

@@ -37,6 +37,35 @@ def test_stop_forms() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "patterns"),
+    [
+        (r"\d+", (r"\d+",)),
+        ([r"\d", "[.!?]"], (r"\d", "[.!?]")),
+        ([], ()),  # what SGLang's frontend always sends
+        (None, ()),
+        ("", ()),
+        (["", "x"], ("x",)),
+    ],
+)
+def test_stop_regex_forms(value: object, patterns: tuple[str, ...]) -> None:
+    p = SamplingParams.from_dict({"stop_regex": value})
+    assert p.stop_regex == patterns
+    p.verify(VOCAB)
+    assert [c.pattern for c in p.stop_regex_patterns] == list(patterns)
+
+
+def test_stop_regex_is_compiled_once_and_stays_out_of_equality() -> None:
+    p = SamplingParams.from_dict({"stop_regex": "a+"})
+    p.verify(VOCAB)
+    assert p.stop_regex_patterns is p.stop_regex_patterns
+    assert p == SamplingParams.from_dict({"stop_regex": ["a+"]})  # this one never compiled
+    assert p.stop_regex_patterns[0].search("baa").group() == "aa"
+    assert (
+        SamplingParams.from_dict({"stop_regex": [f"x{i}" for i in range(32)]}).verify(VOCAB) is None
+    )
+
+
+@pytest.mark.parametrize(
     ("params", "message"),
     [
         ({"temperature": -0.5}, "temperature must be a non-negative finite number, got -0.5."),
@@ -64,8 +93,19 @@ def test_stop_forms() -> None:
         ({"logit_bias": {"49152": 1.0}}, "logit_bias must has keys in [0, 49151], got 49152."),
         ({"stop_token_ids": [2, 10**9]}, "stop_token_ids must be in [0, 49151], got 1000000000."),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be in [0, 49151], got -1."),
-        ({"regex": "a+", "ebnf": "x"}, "Only one of regex, json_schema, or ebnf can be set."),
-        ({"regex": "a+"}, "regex is not supported by this server yet."),
+        (
+            {"regex": "a+", "ebnf": "x"},
+            "Only one of json_schema, regex, ebnf, or structural_tag can be set.",
+        ),
+        ({"structural_tag": "{}"}, "structural_tag is not supported by this server yet."),
+        (
+            {"stop_regex": [f"x{i}" for i in range(33)]},
+            "at most 32 stop_regex patterns are allowed, got 33",
+        ),
+        # 129 characters, 258 bytes: the limit counts UTF-8 bytes.
+        ({"stop_regex": "é" * 129}, "stop_regex is 258 bytes, over the 256-byte limit"),
+        ({"stop_regex": ["ok", "a("]}, "invalid stop_regex 'a(': missing ) at position 2"),
+        ({"stop_regex": "[z-a]"}, "invalid stop_regex '[z-a]': bad character range at position 4"),
     ],
 )
 def test_verify_messages(params: dict[str, object], message: str) -> None:
@@ -83,6 +123,8 @@ def test_verify_messages(params: dict[str, object], message: str) -> None:
         ({"temperature": "hot"}, "temperature must be a number"),
         ({"ignore_eos": 1}, "ignore_eos must be a boolean"),
         ({"stop": 5}, "stop must be a string or a list of strings"),
+        ({"stop_regex": 5}, "stop_regex must be a string or a list of strings"),
+        ({"stop_regex": ["a", 1]}, "stop_regex must be a string or a list of strings"),
         ({"stop_token_ids": "2"}, "stop_token_ids must be a list of integers"),
         ({"logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
     ],

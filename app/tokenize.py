@@ -1,0 +1,200 @@
+"""`tokenize_blueprint`: SGLang's `POST /tokenize` and `POST /detokenize` (each also under
+`/v1`, one handler for both paths), with the served model's own tokenizer.
+
+Synopsis::
+
+    POST /tokenize   {"prompt": "Hello"}        -> {"tokens": [...], "count": N, "max_model_len": C}
+    POST /tokenize   {"prompt": ["a", "b"]}     -> {"tokens": [[...], [...]], "count": [n, m], ...}
+    POST /tokenize   {"messages": [...]}        -> the prompt /v1/chat/completions would run
+    POST /detokenize {"tokens": [1, 2]}         -> {"text": "..."}
+    POST /detokenize {"tokens": [[1], [2, 3]]}  -> {"text": ["...", "..."]}
+
+Errors, on both paths, are SGLang's `ErrorResponse`, `{"object": "error", "message", "type",
+"param", "code"}`: SGLang serves these endpoints from its OpenAI layer. `type` follows SGLang
+per case: `"BadRequestError"` with its handlers' messages (a prompt or token list of the wrong
+type), `"Bad Request"` for what its request validation refuses (a malformed body, neither or
+both of prompt and messages, a field of the wrong type), the status as a string otherwise.
+Unlike SGLang, a token id outside [0, vocab) is a 400 naming it, not silently dropped or a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import jinja2
+from quart import Blueprint, Response
+from tributary.engine import BadRequest, Engine, EngineError
+from werkzeug.exceptions import HTTPException
+
+from .errors import sglang_error_object
+from .normalize import bool_field, read_json_body
+from .openai.chat_template import ChatTemplate
+from .openai.errors import StatusError
+from .openai.messages import parse_messages
+from .output import json_response
+
+__all__ = ["tokenize_blueprint"]
+
+LOGGER = logging.getLogger("tributary.app")
+
+
+class InvalidTokenInput(BadRequest):
+    """A prompt or token list of the wrong kind: SGLang's handler messages and their type."""
+
+    sglang_type = "BadRequestError"
+
+
+# Chat-template options SGLang's TokenizeRequest knows and this server cannot honour; each
+# maps to "is it in use?". Refused rather than ignored: the ids would not be SGLang's.
+_UNSUPPORTED_WITH_MESSAGES = {
+    "tools": lambda v: v not in (None, []),
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "reasoning_effort": lambda v: v is not None,
+    "continue_final_message": lambda v: v not in (None, False),
+    "chat_template_kwargs": lambda v: v not in (None, {}),
+}
+
+
+def tokenize_blueprint(engine: Engine) -> Blueprint:
+    bp = Blueprint("tributary_tokenize", __name__)
+    template = _chat_template(engine)
+
+    @bp.route("/tokenize", methods=["POST"])
+    @bp.route("/v1/tokenize", methods=["POST"])
+    async def tokenize() -> Response:
+        body = _object(await read_json_body())
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if (prompt is None) == (messages is None):
+            raise BadRequest("Exactly one of 'prompt' or 'messages' must be provided.")
+        max_model_len = engine.model_info.context_length
+        if messages is not None:
+            ids = _chat_prompt_ids(engine, template, body)
+            return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+        add_special = bool_field(body, "add_special_tokens", default=True)
+        if isinstance(prompt, str):
+            ids = engine.tokenize(prompt, add_special=add_special)
+            return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            lists = [engine.tokenize(p, add_special=add_special) for p in prompt]
+            counts = [len(ids) for ids in lists]
+            return json_response({"tokens": lists, "count": counts, "max_model_len": max_model_len})
+        raise InvalidTokenInput(
+            f"Invalid prompt type: {_prompt_kind(prompt)}. Expected str or List[str]."
+        )
+
+    @bp.route("/detokenize", methods=["POST"])
+    @bp.route("/v1/detokenize", methods=["POST"])
+    async def detokenize() -> Response:
+        body = _object(await read_json_body())
+        skip_special = bool_field(body, "skip_special_tokens", default=True)
+        tokens = body.get("tokens")
+        if tokens is None:
+            raise BadRequest("'tokens' is required: a list of token ids, or a list of such lists.")
+        if not isinstance(tokens, list):
+            raise InvalidTokenInput(
+                f"Invalid tokens type: {type(tokens).__name__}. "
+                "Expected List[int] or List[List[int]]."
+            )
+        if tokens and isinstance(tokens[0], list):
+            texts = []
+            for i, ids in enumerate(tokens):
+                if not isinstance(ids, list) or not _all_ints(ids):
+                    raise InvalidTokenInput(
+                        "Invalid input: Sublist in 'tokens' must contain only integers. "
+                        f"Found: {json.dumps(ids)}"
+                    )
+                texts.append(_decode(engine, ids, f"tokens[{i}]", skip_special))
+            return json_response({"text": texts})
+        if not _all_ints(tokens):
+            raise InvalidTokenInput("Invalid input: 'tokens' must be a list of integers.")
+        return json_response({"text": _decode(engine, tokens, "tokens", skip_special)})
+
+    @bp.errorhandler(EngineError)
+    async def on_engine_error(error: EngineError) -> Response:
+        return _error_response(error)
+
+    @bp.errorhandler(HTTPException)
+    async def on_http_error(error: HTTPException) -> Response:
+        return _error_response(StatusError(error.code or 500, error.description or error.name))
+
+    @bp.errorhandler(Exception)
+    async def on_unexpected(error: Exception) -> Response:
+        LOGGER.exception("unhandled error in tokenize/detokenize", exc_info=error)
+        return _error_response(
+            StatusError(500, f"Internal server error: {type(error).__name__}"),
+            err_type="InternalServerError",
+        )
+
+    return bp
+
+
+def _error_response(error: EngineError, *, err_type: str | None = None) -> Response:
+    status = error.http_status
+    if err_type is None:
+        err_type = getattr(error, "sglang_type", "Bad Request" if status == 400 else str(status))
+    obj = sglang_error_object(
+        error.message, status, err_type=err_type, param=getattr(error, "param", None)
+    )
+    return json_response(obj, status=status)
+
+
+def _chat_template(engine: Engine) -> ChatTemplate | None:
+    try:
+        return ChatTemplate.for_engine(engine)
+    except jinja2.TemplateError:
+        return None  # logged once by the /v1 blueprint, which compiles the same template
+
+
+def _chat_prompt_ids(
+    engine: Engine, template: ChatTemplate | None, body: dict[str, Any]
+) -> list[int]:
+    """The ids /v1/chat/completions would run for these messages: the template's text,
+    tokenized with no special tokens added (the template writes them)."""
+    for field, in_use in _UNSUPPORTED_WITH_MESSAGES.items():
+        if in_use(body.get(field)):
+            raise BadRequest(f"{field} is not supported by this server yet.")
+    messages = parse_messages(body["messages"])
+    add_generation_prompt = bool_field(body, "add_generation_prompt", default=True)
+    if template is None:
+        raise BadRequest(
+            "This model has no chat template (its GGUF has no tokenizer.chat_template), so "
+            "messages cannot be rendered; send a prompt instead."
+        )
+    text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    return engine.tokenize(text, add_special=False)
+
+
+def _decode(engine: Engine, ids: list[int], where: str, skip_special: bool) -> str:
+    vocab = engine.model_info.vocab_size
+    for j, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise InvalidTokenInput(
+                f"Invalid input: {where}[{j}] is {token}, which is not a token id of this "
+                f"model; valid ids are in [0, {vocab})."
+            )
+    return engine.detokenize(ids, skip_special_tokens=skip_special)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"model must be a string, got {model!r}.")
+    return body
+
+
+def _all_ints(values: list[Any]) -> bool:
+    # JSON true/false arrive as bool, a subclass of int; they are not token ids.
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+def _prompt_kind(prompt: Any) -> str:
+    """The Python type a client sent, and where a list goes wrong."""
+    if isinstance(prompt, list):
+        for i, item in enumerate(prompt):
+            if not isinstance(item, str):
+                return f"list with {type(item).__name__} at prompt[{i}]"
+    return type(prompt).__name__
