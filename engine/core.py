@@ -258,7 +258,7 @@ class Engine:
             spec = request.logprobs
             vocab = self._runner.info.vocab_size
             _check_logprob_request(spec, len(prompt_ids), vocab)
-            logprobs = LogprobCollector(spec, logit_bias=params.logit_bias)
+            logprobs = LogprobCollector(spec)
             logprobs.start_prompt(prompt_ids)
         processor = None
         if request.custom_logit_processor:
@@ -277,7 +277,9 @@ class Engine:
         grammar = self._grammar(params)
         if logprobs is None and processor is None and grammar is None:
             return None
-        return LogitHooks(grammar=grammar, processor=processor, logprobs=logprobs)
+        return LogitHooks(
+            grammar=grammar, processor=processor, logprobs=logprobs, logit_bias=params.logit_bias
+        )
 
     def _grammar(self, params: SamplingParams) -> LlgMatcher | None:
         """The request's grammar, compiled and checked now (a 400 before anything is queued).

@@ -26,18 +26,20 @@ match in the same token, the one that starts first wins; on a tie, the stop stri
 from __future__ import annotations
 
 import codecs
+import time
 from collections.abc import Callable, Sequence
 
 import regex  # type: ignore[import-untyped]
 
 from .errors import BadRequest
 
-__all__ = ["REGEX_TIMEOUT", "IncrementalDetokenizer"]
+__all__ = ["REGEX_BUDGET", "IncrementalDetokenizer"]
 
-#: Seconds one stop_regex search may take. Searches run on the event loop between steps, so
-#: a pattern that backtracks catastrophically (`(a+)+$`) must not stall everyone else: past
-#: this, its request ends with a 400 abort (SGLang aborts a request whose pattern fails).
-REGEX_TIMEOUT = 0.05
+#: Seconds all of one token's stop_regex searches may take together. They run on the event
+#: loop between steps, so a pattern that backtracks catastrophically (`(a|aa)+$`) must not
+#: stall everyone else: past this, its request ends with a 400 abort (SGLang aborts a request
+#: whose pattern fails).
+REGEX_BUDGET = 0.02
 
 
 class IncrementalDetokenizer:
@@ -83,15 +85,16 @@ class IncrementalDetokenizer:
                 pos = self.text.find(stop, max(self._emitted, old_len - len(stop) + 1))
                 if pos >= 0 and (best is None or pos < best[0]):
                     best = (pos, pos + len(stop), stop)
+        deadline = time.monotonic() + REGEX_BUDGET
         for i, pattern in enumerate(self._regexes):
             try:
                 match, self._regex_from[i] = _scan(
-                    pattern, self.text, self._regex_from[i], self._checked_from
+                    pattern, self.text, self._regex_from[i], self._checked_from, deadline
                 )
             except TimeoutError:
                 raise BadRequest(
-                    f"stop_regex {pattern.pattern!r} took more than {REGEX_TIMEOUT} s on this "
-                    "output (catastrophic backtracking?); the request was stopped."
+                    f"stop_regex took more than {REGEX_BUDGET} s on one token (pattern "
+                    f"{pattern.pattern!r}: catastrophic backtracking?); the request was stopped."
                 ) from None
             if match is not None and (best is None or match.start() < best[0]):
                 best = (match.start(), match.end(), pattern.pattern)
@@ -125,7 +128,7 @@ class IncrementalDetokenizer:
 
 
 def _scan(
-    pattern: regex.Pattern, text: str, pos: int, counted_after: int
+    pattern: regex.Pattern, text: str, pos: int, counted_after: int, deadline: float
 ) -> tuple[regex.Match | None, int]:
     """The leftmost match at or after `pos` that ends after `counted_after` (or None), and the
     earliest position at or after `pos` where a match could still begin (len(text) if none).
@@ -133,11 +136,20 @@ def _scan(
     A partial search answers both in one call: it reports the leftmost complete match if
     there is one, else the leftmost partial match (text that some continuation would turn
     into a match). The loop runs only when a complete match does not count because it lies
-    in text added before the checks began.
+    in text added before the checks began. Raises TimeoutError once `deadline` (on
+    `time.monotonic`) has passed.
     """
+
+    def left() -> float:
+        # A partial search may make two passes, each given the timeout afresh: half each.
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        return remaining / 2
+
     hold: int | None = None
     while True:
-        match = pattern.search(text, pos, partial=True, timeout=REGEX_TIMEOUT)
+        match = pattern.search(text, pos, partial=True, timeout=left())
         if match is None:
             return None, len(text) if hold is None else hold
         if match.partial:
@@ -150,11 +162,7 @@ def _scan(
             # start is live if some match attempt from it reaches the end of the text.
             starts = range(pos, match.start() + 1)
             hold = next(
-                (
-                    p
-                    for p in starts
-                    if pattern.fullmatch(text, p, partial=True, timeout=REGEX_TIMEOUT)
-                ),
+                (p for p in starts if pattern.fullmatch(text, p, partial=True, timeout=left())),
                 None,
             )
         pos = match.start() + 1

@@ -57,16 +57,9 @@ class LogprobCollector:
     """Scores positions as the runner hands them over; the scheduler takes what accumulated
     with each output item."""
 
-    def __init__(self, spec: LogprobRequest, *, logit_bias: Mapping[int, float]) -> None:
+    def __init__(self, spec: LogprobRequest) -> None:
         self.spec = spec
         self._ids = np.asarray(spec.token_ids, dtype=np.int64) if spec.token_ids else None
-        if logit_bias:
-            self._bias: tuple[np.ndarray, np.ndarray] | None = (
-                np.fromiter(logit_bias.keys(), dtype=np.int64),
-                np.fromiter(logit_bias.values(), dtype=np.float32),
-            )
-        else:
-            self._bias = None
         self._out_token: list[TokenLogprob] = []
         self._out_top: list[TopLogprobs] = []
         self._out_ids: list[TopLogprobs] = []
@@ -82,9 +75,6 @@ class LogprobCollector:
             self._add_input(None, prompt_ids[start], None, None)
 
     def score_output(self, row: np.ndarray, token: int) -> None:
-        if self._bias is not None:
-            row = row.copy()
-            row[self._bias[0]] += self._bias[1]
         lse = _logsumexp(row)
         self._out_token.append((float(row[token] - lse), token))
         if self.spec.top_n:
@@ -160,29 +150,49 @@ class ProcessorCall:
 
 
 class LogitHooks:
+    """`logit_bias`, when given, is applied here (after the grammar's mask, before the
+    processor and logprobs), and the runner's sampler chain must then leave it out: the
+    scheduler opens such a sequence with params without it."""
+
     def __init__(
         self,
         *,
         grammar: GrammarMatcher | None = None,
         processor: ProcessorCall | None = None,
         logprobs: LogprobCollector | None = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> None:
         self.grammar = grammar
         self.processor = processor
         self.logprobs = logprobs
+        self.bias = (
+            (
+                np.fromiter(logit_bias.keys(), dtype=np.int64),
+                np.fromiter(logit_bias.values(), dtype=np.float32),
+            )
+            if logit_bias
+            else None
+        )
         #: Set when client-supplied code failed; the scheduler ends the request with it.
         self.failure: EngineError | None = None
 
     def prepare(self, row: np.ndarray) -> None:
         if self.grammar is not None:
             self.grammar.fill_mask(row)
+        if self.bias is not None:
+            row[self.bias[0]] += self.bias[1]
         if self.processor is not None and self.failure is None:
             try:
                 self.processor.apply(row)
             except EngineError as exc:
                 self.failure = exc
-            except Exception as exc:  # the client's code: its failure is its request's
+            # The client's code: whatever it raises (SystemExit included) is its request's
+            # failure, never the server's. This runs on the compute thread, where nothing
+            # else could want a KeyboardInterrupt.
+            except BaseException as exc:
                 self.failure = BadRequest(f"custom_logit_processor raised {exc!r}")
+            else:
+                _sanitize(row)
 
     def sampled(self, row: np.ndarray, token: int) -> None:
         if self.logprobs is not None:
@@ -193,6 +203,16 @@ class LogitHooks:
     def score_prompt(self, rows: np.ndarray, targets: list[int]) -> None:
         if self.logprobs is not None:
             self.logprobs.score_prompt(rows, targets)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _sanitize(row: np.ndarray) -> None:
+    """What a processor wrote that sampling and logprobs cannot use: NaN becomes -inf (never
+    sampled, as SGLang's sanitize_nan_logits) and +inf the largest float32."""
+    if not np.isfinite(row).all():
+        np.nan_to_num(row, copy=False, nan=-np.inf, posinf=_FLOAT32_MAX, neginf=-np.inf)
 
 
 def _logsumexp(x: np.ndarray, axis: int | None = None) -> Any:

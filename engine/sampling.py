@@ -168,7 +168,7 @@ class SamplingParams:
         if sum(bool(x) for x in grammars) > 1:
             _fail("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
         for key in _UNSUPPORTED:
-            if getattr(self, key) is not None:
+            if getattr(self, key):  # null and "" mean none
                 _fail(f"{key} is not supported by this server yet.")
 
 
@@ -187,6 +187,9 @@ _FLOAT_KEYS = {
 }
 _BOOL_KEYS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
 _STR_KEYS = {"json_schema", "regex", "ebnf", "structural_tag"}
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _finite_float(key: str, value: int | float) -> float:
@@ -248,8 +251,9 @@ def _coerce(key: str, value: Any) -> Any:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 _fail(f"logit_bias values must be numbers, got {v!r}.")
             bias[token_id] = _finite_float("logit_bias values", v)
-            if not math.isfinite(bias[token_id]):
-                _fail(f"logit_bias values must be finite numbers, got {v!r}.")
+            if not math.isfinite(bias[token_id]) or abs(bias[token_id]) > _FLOAT32_MAX:
+                # Logits are float32: a bias past its range would be inf there.
+                _fail(f"logit_bias values must be finite float32 numbers, got {v!r}.")
         return bias
     if key == "custom_params":
         if not isinstance(value, Mapping):

@@ -19,6 +19,7 @@ what a consumer has not read is bounded by its own request's length.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import logging
 from collections.abc import Callable, Iterator
@@ -226,7 +227,12 @@ class Scheduler:
                 self._finish(seq, length_reason(0))
                 continue
             seq.slot = heapq.heappop(self._free_slots)
-            self.runner.open_sequence(seq.slot, seq.params)
+            params = seq.params
+            if seq.hooks is not None and params.logit_bias:
+                # The hooks apply the bias in SGLang's place (before a custom processor and
+                # logprobs); the sampler chain must not apply it again.
+                params = dataclasses.replace(params, logit_bias={})
+            self.runner.open_sequence(seq.slot, params)
             self.running.append(seq)
 
     def _plan(self) -> tuple[list[SeqStep], list[Sequence], list[Sequence]]:

@@ -42,7 +42,8 @@ LOGPROB_FLOOR = -9999.0
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    # NaN cannot reach here (the engine sanitizes rows), but JSON must never get one.
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 class TokenSpeller:

@@ -13,8 +13,8 @@ Synopsis::
   `autojump_clock` latencies are exact.
 - `fail_at_step=N` makes step N raise RunnerFailure, for fault tests.
 - Logits, for the hooks (logprobs, custom logit processors): every token has logit 0 but the
-  one the sim would pick, which has `SIM_PICK_LOGIT`; if a hook masks that one, the highest
-  remaining logit is sampled. Prompt positions score as all-zero rows.
+  one the sim would pick, which has `SIM_PICK_LOGIT`; if a hook (a mask, a bias, a processor)
+  leaves another token higher, the highest is sampled. Prompt positions score as all-zero rows.
 
 It is never used unless asked for by name (`runner="sim"`).
 """
@@ -110,7 +110,7 @@ class SimRunner:
                     row = np.zeros(VOCAB_SIZE, dtype=np.float32)
                     row[token] = SIM_PICK_LOGIT
                     s.hooks.prepare(row)
-                    if row[token] < SIM_PICK_LOGIT:  # a hook moved the pick
+                    if row[token] < row.max():  # a hook moved the pick
                         token = int(np.argmax(row))
                     s.hooks.sampled(row, token)
                 sampled.append(token)

@@ -1,0 +1,154 @@
+"""What the per-request logits work does when clients push it: a custom processor that fails
+(however it fails) ends only its own request, it sees the logits after logit_bias as in
+SGLang, NaN or +inf it writes is never sampled or reported, a bias past float32 is a 400, and
+a stop regex that backtracks catastrophically is cut off instead of stalling the scheduler.
+Sim runner, whose hooks see a logits row (engine/runners/sim.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import trio
+from tributary.engine import (
+    Done,
+    EngineConfig,
+    Error,
+    GenerateRequest,
+    InvalidSamplingParams,
+    LogprobRequest,
+    SamplingParams,
+)
+from tributary.engine.custom_logit_processor import CustomLogitProcessor
+
+from tributary import engine
+
+SIM_BYTE_OFFSET = 3  # sim token ids are bytes + 3
+X = ord("x") + SIM_BYTE_OFFSET
+Y = ord("y") + SIM_BYTE_OFFSET
+
+
+def processor(source: str) -> str:
+    """SGLang's wire form of a processor class defined in `source` (as `P`), pickled by value
+    the way a client script's class is."""
+    namespace = {"__name__": "__main__", "CustomLogitProcessor": CustomLogitProcessor}
+    exec(source, namespace)
+    return namespace["P"].to_str()  # type: ignore[attr-defined, no-any-return]
+
+
+RAISES_SYSTEM_EXIT = processor(
+    "class P(CustomLogitProcessor):\n"
+    "    def __call__(self, logits, params):\n"
+    "        raise SystemExit(3)\n"
+)
+KEEPS_ONLY_ITS_ARGMAX = processor(
+    "class P(CustomLogitProcessor):\n"
+    "    def __call__(self, logits, params):\n"
+    "        top = int(logits[0].argmax())\n"
+    "        logits[0, :] = -float('inf')\n"
+    "        logits[0, top] = 0.0\n"
+    "        return logits\n"
+)
+NAN_BUT_ONE = processor(
+    "class P(CustomLogitProcessor):\n"
+    "    def __call__(self, logits, params):\n"
+    "        logits[0, :] = float('nan')\n"
+    "        logits[0, params[0]['token_id']] = float('inf')\n"
+    "        return logits\n"
+)
+
+
+def config() -> EngineConfig:
+    return EngineConfig(runner="sim", context_length=1024, enable_custom_logit_processor=True)
+
+
+def request(
+    *, custom: str | None = None, logprobs: LogprobRequest | None = None, **sampling: object
+) -> GenerateRequest:
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 4, **sampling})
+    return GenerateRequest(
+        text="seed", sampling=params, custom_logit_processor=custom, logprobs=logprobs
+    )
+
+
+async def last(eng: engine.Engine, req: GenerateRequest) -> tuple[list[int], Done | Error]:
+    ids: list[int] = []
+    async with eng.submit(req) as stream:
+        async for item in stream:
+            if not isinstance(item, Error):
+                ids += item.output_ids
+    return ids, item
+
+
+async def test_a_processor_that_exits_fails_only_its_request(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(config()) as eng:
+        results: list[tuple[list[int], Done | Error]] = []
+
+        async def run(req: GenerateRequest) -> None:
+            results.append(await last(eng, req))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, request(custom=RAISES_SYSTEM_EXIT))
+            nursery.start_soon(run, request(max_new_tokens=6))
+        failed = [r for _, r in results if isinstance(r, Error)]
+        done = [(ids, r) for ids, r in results if isinstance(r, Done)]
+        assert len(failed) == 1 and failed[0].error.http_status == 400
+        assert "SystemExit" in failed[0].error.message
+        assert len(done) == 1 and len(done[0][0]) == 6
+        ids, after = await last(eng, request())
+        assert isinstance(after, Done) and len(ids) == 4  # the engine still serves
+
+
+async def test_the_processor_sees_logits_after_logit_bias(autojump_clock: trio.abc.Clock) -> None:
+    async with engine.open_engine(config()) as eng:
+        plain, _ = await last(eng, request(custom=KEEPS_ONLY_ITS_ARGMAX))
+        assert X not in plain
+        biased, _ = await last(
+            eng, request(custom=KEEPS_ONLY_ITS_ARGMAX, logit_bias={str(X): 100.0})
+        )
+        assert biased == [X] * 4
+
+
+async def test_nan_and_inf_from_a_processor_are_never_sampled_nor_reported(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with engine.open_engine(config()) as eng:
+        req = request(
+            custom=NAN_BUT_ONE, custom_params={"token_id": Y}, logprobs=LogprobRequest(top_n=2)
+        )
+        async with eng.submit(req) as stream:
+            items = [item async for item in stream]
+        assert all(isinstance(i, engine.Frame | Done) for i in items)
+        ids = [t for i in items for t in i.output_ids]  # type: ignore[union-attr]
+        assert ids == [Y] * 4
+        scores = [lp for i in items for lp in i.logprobs.output_token]  # type: ignore[union-attr]
+        assert [t for _, t in scores] == ids
+        assert all(lp is not None and math.isfinite(lp) and lp <= 0 for lp, _ in scores)
+
+
+def test_a_bias_past_float32_is_a_400() -> None:
+    with pytest.raises(InvalidSamplingParams, match="float32"):
+        SamplingParams.from_dict({"logit_bias": {"5": 1e39}})
+    SamplingParams.from_dict({"logit_bias": {"5": 3e38}})  # within float32
+
+
+async def test_catastrophic_stop_regexes_are_cut_off(autojump_clock: trio.abc.Clock) -> None:
+    # 32 patterns that backtrack exponentially on a run of "x" not followed by a digit: with
+    # a limit per search instead of per token, one token took seconds here.
+    patterns = [r"(?:x|xx)+[0-9]" + "(?:)" * i for i in range(32)]
+    async with engine.open_engine(config()) as eng:
+        req = request(max_new_tokens=60, logit_bias={str(X): 100.0}, stop_regex=patterns)
+        started = time.monotonic()
+        ids, done = await last(eng, req)
+        # Bounded: 20 ms of searching a token (a limit per search let one token take 3 s).
+        assert time.monotonic() - started < 1.5
+        assert isinstance(done, Done)
+        reason = done.finish_reason
+        assert reason["type"] == "abort" and reason["status_code"] == 400
+        assert "catastrophic backtracking" in reason["message"]
+        assert 0 < len(ids) < 60
+        _, after = await last(eng, request())
+        assert isinstance(after, Done)
