@@ -82,6 +82,12 @@ class LogprobCollector:
         if self._ids is not None:
             self._out_ids.append(_pairs(row[self._ids] - lse, self._ids))
 
+    def drop_last_output(self) -> None:
+        """Forget the last output position scored: its token was never kept."""
+        for scores in (self._out_token, self._out_top, self._out_ids):
+            if scores:
+                scores.pop()
+
     def score_prompt(self, rows: np.ndarray, targets: list[int]) -> None:
         """`rows[j]` are the logits that predict `targets[j]`."""
         for lo in range(0, len(targets), _PROMPT_BLOCK):
@@ -199,6 +205,12 @@ class LogitHooks:
             self.logprobs.score_output(row, token)
         if self.grammar is not None:
             self.grammar.consume(token)
+
+    def drop_last_output(self) -> None:
+        """Forget the last output position scored: its token was never kept."""
+        for scores in (self._out_token, self._out_top, self._out_ids):
+            if scores:
+                scores.pop()
 
     def score_prompt(self, rows: np.ndarray, targets: list[int]) -> None:
         if self.logprobs is not None:

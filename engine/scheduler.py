@@ -314,7 +314,11 @@ class Scheduler:
                 self._finish(seq, length_reason(0))  # prompt scored, nothing to generate
         for seq, token in zip(sampling, sampled, strict=True):
             if seq.abort is not None or seq.finished:
-                continue  # aborted: reaped at the next boundary; its token is dropped
+                # Aborted: reaped at the next boundary; its token is dropped, and so is the
+                # logprob the runner already scored for it.
+                if seq.hooks is not None and seq.hooks.logprobs is not None:
+                    seq.hooks.logprobs.drop_last_output()
+                continue
             seq.output_ids.append(token)
             try:
                 reason = self._check_finished(seq, token)
