@@ -206,12 +206,6 @@ class LogitHooks:
         if self.grammar is not None:
             self.grammar.consume(token)
 
-    def drop_last_output(self) -> None:
-        """Forget the last output position scored: its token was never kept."""
-        for scores in (self._out_token, self._out_top, self._out_ids):
-            if scores:
-                scores.pop()
-
     def score_prompt(self, rows: np.ndarray, targets: list[int]) -> None:
         if self.logprobs is not None:
             self.logprobs.score_prompt(rows, targets)
