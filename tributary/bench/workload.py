@@ -18,7 +18,7 @@ import dataclasses
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 import trio
@@ -144,7 +144,10 @@ class ServerTokenizer:
         )
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        response = await self.client.post(self.base_url + path, json=body, headers=self.headers)
+        try:
+            response = await self.client.post(self.base_url + path, json=body, headers=self.headers)
+        except httpx.HTTPError as exc:
+            raise WorkloadError(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
         if response.status_code in (404, 405):
             raise WorkloadError(
                 f"{self.base_url} has no {path}; build the prompts against a server that has "
@@ -236,7 +239,7 @@ def _json(response: httpx.Response) -> dict[str, Any]:
     return answer if isinstance(answer, dict) else {}
 
 
-def _is_token_list(value: object) -> bool:
+def _is_token_list(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     )
