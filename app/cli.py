@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import trio
 
 from tributary import engine
+from tributary.bench import cli as bench_cli
 
 from .loading import bound_port, serve_until_loaded
 from .server import open_http_server
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runner", choices=["llama", "sim"], default=defaults.runner)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all)")
     p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="decode each step only once the scheduler has planned it (no decoding ahead)",
+    )
+    p.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
         help="accept SGLang custom logit processors (runs Python code that clients send)",
@@ -61,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument(
         "--log-level", default=http.log_level, choices=["debug", "info", "warning", "error"]
+    )
+    bench_cli.add_arguments(
+        commands.add_parser("bench", help="benchmark a server over HTTP (see docs/benchmarks)")
     )
     return parser
 
@@ -76,6 +85,7 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         stream_interval=args.stream_interval,
         threads=args.threads,
         enable_custom_logit_processor=args.enable_custom_logit_processor,
+        overlap_decode=not args.disable_overlap_schedule,
     )
     settings = ServerSettings(
         host=args.host,
@@ -128,6 +138,8 @@ async def run_server(engine_config: engine.EngineConfig, settings: ServerSetting
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench_cli.run(args)
     try:
         engine_config, settings = configs(args)
     except ValueError as exc:  # a flag value the engine cannot run with

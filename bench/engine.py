@@ -13,6 +13,7 @@ scheduler, channel and Trio overhead. Writes docs/benchmarks/engine.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -194,42 +195,50 @@ async def main() -> None:
         texts = prompts(c)
         compute = compute_thread()
         raw = await compute.run(RawLoop, cfg)
-        eng_rates, raw_rates = [], []
-        async with engine.open_engine(cfg) as eng:
-            await engine_run(eng, texts, 4)  # warm-up both
+        eng_rates, stepwise_rates, raw_rates = [], [], []
+        stepwise_cfg = dataclasses.replace(cfg, overlap_decode=False)
+        async with engine.open_engine(cfg) as eng, engine.open_engine(stepwise_cfg) as stepwise:
+            await engine_run(eng, texts, 4)  # warm-up all three
+            await engine_run(stepwise, texts, 4)
             await compute.run(raw.run, texts, 4)
             for _ in range(args.repeats):
                 eng_rates.append(await engine_run(eng, texts, args.tokens))
+                stepwise_rates.append(await engine_run(stepwise, texts, args.tokens))
                 raw_rates.append(await compute.run(raw.run, texts, args.tokens))
         await compute.run(raw.close)
         e, r = statistics.median(eng_rates), statistics.median(raw_rates)
+        w = statistics.median(stepwise_rates)
         rows.append(
             {
                 "concurrency": c,
                 "engine_tokens_per_s": round(e, 1),
+                "engine_no_overlap_tokens_per_s": round(w, 1),
                 "raw_tokens_per_s": round(r, 1),
                 "ratio": round(e / r, 3),
+                "no_overlap_ratio": round(w / r, 3),
                 "engine_runs": [round(x, 1) for x in eng_rates],
+                "engine_no_overlap_runs": [round(x, 1) for x in stepwise_rates],
                 "raw_runs": [round(x, 1) for x in raw_rates],
             }
         )
         overhead = await scheduler_overhead(c)
         rows[-1]["scheduler_overhead_us_per_step"] = round(overhead, 1)
         print(
-            f"concurrency {c:>2}: engine {e:7.1f} tok/s   raw {r:7.1f} tok/s   ratio {e / r:.3f}"
-            f"   scheduler overhead {overhead:6.0f} us/step"
+            f"concurrency {c:>2}: engine {e:7.1f} tok/s (no overlap {w:7.1f})   raw {r:7.1f} "
+            f"tok/s   ratio {e / r:.3f} ({w / r:.3f})   scheduler overhead {overhead:6.0f} us/step"
         )
 
     print()
     print(
-        "| concurrency | engine tok/s | raw llama_decode tok/s | engine / raw "
-        "| scheduler overhead (us/step, sim) |"
+        "| concurrency | engine tok/s | without overlap | raw llama_decode tok/s | engine / raw "
+        "| without overlap / raw | scheduler overhead (us/step, sim) |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
             f"| {row['concurrency']} | {row['engine_tokens_per_s']} | "
-            f"{row['raw_tokens_per_s']} | {row['ratio']} | "
+            f"{row['engine_no_overlap_tokens_per_s']} | {row['raw_tokens_per_s']} | "
+            f"{row['ratio']} | {row['no_overlap_ratio']} | "
             f"{row['scheduler_overhead_us_per_step']} |"
         )
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,11 @@ class EngineConfig:
     #: Accept SGLang custom logit processors (`custom_logit_processor`): pickled Python that
     #: the client sends and the server runs, so off unless the operator turns it on.
     enable_custom_logit_processor: bool = False
+    #: Overlap decode with the event loop (llama runner): after each step the compute thread
+    #: decodes the tokens just sampled at once, for the step the scheduler is about to plan,
+    #: instead of idling while the event loop commits, detokenizes and sends (SGLang's
+    #: overlap scheduler, on one CPU thread). Off: each decode waits for its step's plan.
+    overlap_decode: bool = True
     #: Latency model for runner="sim".
     sim_latency: SimLatency = dataclasses.field(default_factory=SimLatency)
     #: For fault tests: the sim runner raises RunnerFailure at this step number (1-based).

@@ -128,7 +128,13 @@ class LlamaRunner:
 
         self._samplers: dict[int, ctypes.c_void_p] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._kv_used = 0
+        #: KV cells per slot, as llama.cpp counts them (refreshed on the compute thread).
+        self._slot_cells: dict[int, int] = {}
+        #: Slots released by the scheduler whose KV the compute thread has not removed yet.
+        self._freeing: set[int] = set()
+        self._overlap = config.overlap_decode
+        #: The decode launched ahead for the next step (compute thread only).
+        self._ahead: _DecodeAhead | None = None
         self._closed = False
         self.grammars = Grammars(_lltokenizer(self._vocab, n_vocab), n_vocab)
         self.info = ModelInfo(
@@ -186,11 +192,19 @@ class LlamaRunner:
         self._samplers[seq_id] = self._sampler_chain(params)
 
     def close_sequence(self, seq_id: int) -> None:
+        # A decode launched ahead may be running on the compute thread, so the KV removal is
+        # queued behind it (jobs run in order, so before the next step's); the slot counts as
+        # empty from now on. Samplers are only used by step jobs, never running now.
         chain = self._samplers.pop(seq_id, None)
         if chain is not None:
             llama_cpp.llama_sampler_free(chain)
+        self._freeing.add(seq_id)
+        compute_thread().submit(self._free_slot, seq_id)
+
+    def _free_slot(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-        self._kv_used = self._count_kv()
+        self._count_kv()
+        self._freeing.discard(seq_id)
 
     def _sampler_chain(self, p: SamplingParams) -> ctypes.c_void_p:
         lib = llama_cpp
@@ -248,13 +262,66 @@ class LlamaRunner:
         """
         sampled: dict[int, int] = {}  # plan index -> token
         singles = [i for i, s in enumerate(plan) if len(s.tokens) == 1]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            # Entries the decode launched ahead already computed are sampled from its logits
+            # (still in llama.cpp's output buffer: nothing has decoded since), before any
+            # other decode overwrites them.
+            hits = {
+                i: ahead.outputs.pop(_key(plan[i]))
+                for i in singles
+                if _key(plan[i]) in ahead.outputs
+            }
+            for i, idx in hits.items():
+                sampled[i] = self._sample(plan[i], idx)
+            singles = [i for i in singles if i not in hits]
+            # Computed for nobody (its sequence ended or was aborted): drop the cell. A slot
+            # released since had all its cells removed by the free job that ran in between,
+            # and a sequence newly given that slot has no cells before this step's prefill.
+            for seq_id, _token, pos in ahead.outputs:
+                if seq_id not in self._freeing:
+                    llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
         if singles:
             self._decode(plan, singles, sampled)
         for i, s in enumerate(plan):
             if len(s.tokens) > 1:
                 self._decode(plan, [i], sampled)
-        self._kv_used = self._count_kv()
+        self._count_kv()
+        if self._overlap and sampled:
+            # Every sequence that got a token will decode it next step unless it finishes:
+            # start that decode now, so llama.cpp's threads never wait for the event loop.
+            # (An end-of-generation token usually finishes its sequence: not worth decoding.)
+            eog = self.info.eos_token_ids
+            nxt = [
+                (plan[i].seq_id, t, plan[i].start_pos + len(plan[i].tokens))
+                for i, t in sampled.items()
+                if t not in eog
+            ]
+            if nxt:
+                compute_thread().submit(self._decode_ahead, nxt)
         return [sampled[i] for i in sorted(sampled)]
+
+    def _decode_ahead(self, entries: list[tuple[int, int, int]]) -> None:
+        """Decode (seq_id, token, pos) entries for the step the scheduler is about to plan.
+        Runs on the compute thread right after a step, while the event loop commits it."""
+        entries = [e for e in entries if e[0] not in self._freeing]
+        if not entries or self._closed:
+            return
+        batch = self._batch
+        outputs: dict[tuple[int, int, int], int] = {}
+        for n, (seq_id, token, pos) in enumerate(sorted(entries)):
+            batch.token[n] = token
+            batch.pos[n] = pos
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = seq_id
+            batch.logits[n] = 1
+            outputs[(seq_id, token, pos)] = n
+        batch.n_tokens = len(entries)
+        if llama_cpp.llama_decode(self._ctx, batch) != 0:
+            for seq_id, _token, pos in entries:  # the step will decode them itself
+                llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
+            return
+        self._ahead = _DecodeAhead(outputs)
 
     def _decode(self, plan: Sequence[SeqStep], members: list[int], sampled: dict[int, int]) -> None:
         batch = self._batch
@@ -292,22 +359,23 @@ class LlamaRunner:
             assert s.hooks is not None and s.prompt_targets is not None
             s.hooks.score_prompt(self._rows(lo, len(s.prompt_targets)), s.prompt_targets)
         for i, idx in outputs:
-            s = plan[i]
-            if s.suppress:
-                logits = llama_cpp.llama_get_logits_ith(self._ctx, idx)
-                for token in s.suppress:
-                    if 0 <= token < self._n_vocab:  # never write outside the row
-                        logits[token] = -math.inf
-            if s.hooks is None:
-                sampled[i] = llama_cpp.llama_sampler_sample(
-                    self._samplers[s.seq_id], self._ctx, idx
-                )
-                continue
-            row = self._rows(idx, 1)[0]
-            s.hooks.prepare(row)
-            token = llama_cpp.llama_sampler_sample(self._samplers[s.seq_id], self._ctx, idx)
-            s.hooks.sampled(row, token)
-            sampled[i] = token
+            sampled[i] = self._sample(plan[i], idx)
+
+    def _sample(self, s: SeqStep, idx: int) -> int:
+        """Sample `s`'s next token from the logits of batch index `idx`."""
+        if s.suppress:
+            logits = llama_cpp.llama_get_logits_ith(self._ctx, idx)
+            for token in s.suppress:
+                if 0 <= token < self._n_vocab:  # never write outside the row
+                    logits[token] = -math.inf
+        chain = self._samplers[s.seq_id]
+        if s.hooks is None:
+            return int(llama_cpp.llama_sampler_sample(chain, self._ctx, idx))
+        row = self._rows(idx, 1)[0]
+        s.hooks.prepare(row)
+        token = int(llama_cpp.llama_sampler_sample(chain, self._ctx, idx))
+        s.hooks.sampled(row, token)
+        return token
 
     def _rows(self, first: int, count: int) -> np.ndarray:
         """The logits of `count` consecutive outputs from batch index `first`, as a writable
@@ -325,20 +393,25 @@ class LlamaRunner:
         return rows
 
     def kv_used_cells(self) -> int:
-        # Counted after each step and each removal, never read while a decode runs.
-        return self._kv_used
+        # llama.cpp's own count after the last job, less the slots released since (their
+        # removal is queued behind at most one decode).
+        cells = self._slot_cells
+        return sum(n for slot, n in list(cells.items()) if slot not in self._freeing)
 
-    def _count_kv(self) -> int:
-        used = 0
+    def _count_kv(self) -> None:
+        """Refresh the per-slot KV counts from llama.cpp (compute thread only)."""
+        cells: dict[int, int] = {}
         for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)):
             hi = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
             if hi >= 0:
-                used += hi - llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id) + 1
-        return used
+                cells[seq_id] = hi - llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id) + 1
+        self._slot_cells = cells
 
     def close(self) -> None:
         if self._closed:
             return
+        # Behind any decode launched ahead: the model is never freed under a running decode.
+        compute_thread().wait_idle()
         self._closed = True
         for chain in self._samplers.values():
             llama_cpp.llama_sampler_free(chain)
@@ -381,6 +454,24 @@ class ComputeThread:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             job()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue `fn(*args)` behind the jobs already queued, without waiting for it. A
+        failure is logged; the thread carries on."""
+
+        def job() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                LOGGER.exception("compute thread job %s failed", getattr(fn, "__name__", fn))
+
+        self._jobs.put(job)
+
+    def wait_idle(self) -> None:
+        """Block until every job queued so far has run (for shutdown, off the hot path)."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        done.wait()
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run `fn(*args)` on the compute thread and return its result.
@@ -450,6 +541,19 @@ def _lltokenizer(vocab: Any, n_vocab: int) -> Any:
         eos_token=[eos, *eog] if eos >= 0 else eog,
         slices=None,
     )
+
+
+class _DecodeAhead:
+    """A decode launched before the scheduler asked for it: batch index per entry."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs: dict[tuple[int, int, int], int]) -> None:
+        self.outputs = outputs
+
+
+def _key(s: SeqStep) -> tuple[int, int, int]:
+    return (s.seq_id, s.tokens[0], s.start_pos)
 
 
 def _token_or_none(token: int) -> int | None:
