@@ -22,6 +22,7 @@ from pathlib import Path
 
 import trio
 from tributary.engine import LogprobRequest
+from tributary.engine.logits import LogitHooks
 
 import tributary
 
@@ -47,6 +48,38 @@ VARIANTS = {
     "logprobs_top5": ({}, LogprobRequest(top_n=5)),
     "json_schema+logprobs": ({"json_schema": json.dumps(SCHEMA)}, LogprobRequest(top_n=5)),
 }
+
+
+class HookClock:
+    """Wall time spent inside LogitHooks (mask, processor, logprobs, grammar advance) on the
+    compute thread: the hooks' own cost, free of the run-to-run noise of whole requests."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        for name in ("prepare", "sampled"):
+            self._wrap(name)
+
+    def _wrap(self, name: str) -> None:
+        original = getattr(LogitHooks, name)
+
+        def timed(hooks: LogitHooks, *args: object) -> None:
+            start = time.perf_counter()
+            try:
+                original(hooks, *args)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += name == "sampled"
+
+        setattr(LogitHooks, name, timed)
+
+    def take(self) -> tuple[float, int]:
+        out = (self.seconds, self.calls)
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
+HOOKS = HookClock()
 
 
 async def run(eng: tributary.Engine, variant: str, concurrency: int, tokens: int) -> float:
@@ -78,6 +111,7 @@ async def run(eng: tributary.Engine, variant: str, concurrency: int, tokens: int
 
 async def main(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, list[float]]] = {}
+    hook_us: dict[str, dict[str, float]] = {}
     for concurrency in args.concurrency:
         config = tributary.EngineConfig(
             context_length=1024, max_running_requests=concurrency, threads=args.threads
@@ -86,13 +120,22 @@ async def main(args: argparse.Namespace) -> None:
             runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
             for variant in VARIANTS:  # warm-up
                 await run(eng, variant, concurrency, 8)
+            spent = {v: [0.0, 0] for v in VARIANTS}
             for _ in range(args.repeats):
                 for variant in VARIANTS:
+                    HOOKS.take()
                     runs[variant].append(await run(eng, variant, concurrency, args.tokens))
+                    seconds, tokens = HOOKS.take()
+                    spent[variant][0] += seconds
+                    spent[variant][1] += tokens
             results[str(concurrency)] = runs
+            hook_us[str(concurrency)] = {
+                v: (sec / n * 1e6 if n else 0.0) for v, (sec, n) in spent.items()
+            }
 
     print(
-        f"{'concurrency':>11} {'variant':<22} {'ms/token':>9} {'added ms/token':>15} {'ratio':>6}"
+        f"{'concurrency':>11} {'variant':<22} {'ms/token':>9} {'added ms/token':>15} "
+        f"{'ratio':>6} {'hooks us/token':>15}"
     )
     table = []
     for concurrency, runs in results.items():
@@ -106,11 +149,13 @@ async def main(args: argparse.Namespace) -> None:
                 "added_ms_per_token": (med - base) * 1e3,
                 "ratio_to_plain": med / base,
                 "runs_ms_per_token": [x * 1e3 for x in samples],
+                "hooks_us_per_token": hook_us[concurrency][variant],
             }
             table.append(row)
             print(
                 f"{concurrency:>11} {variant:<22} {row['ms_per_token']:>9.3f} "
-                f"{row['added_ms_per_token']:>15.3f} {row['ratio_to_plain']:>6.3f}"
+                f"{row['added_ms_per_token']:>15.3f} {row['ratio_to_plain']:>6.3f} "
+                f"{row['hooks_us_per_token']:>15.1f}"
             )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(
