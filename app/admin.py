@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 import trio
 from quart import Blueprint, Response
+
+from tributary import engine as engine_pkg
 from tributary.engine import (
     BadRequest,
     Done,
@@ -24,8 +26,6 @@ from tributary.engine import (
     QueueFull,
     SamplingParams,
 )
-
-from tributary import engine as engine_pkg
 
 from .errors import abort_status
 from .normalize import read_json_body

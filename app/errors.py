@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from quart import Response
+
 from tributary.engine import EngineError, FinishReason, QueueFull
 
 from .output import json_response

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 from quart import Response
+
 from tributary.engine import Done, Engine, Error, GenerateRequest, QueueFull, RequestStream
 
 from .asgi import Closeable

@@ -26,6 +26,7 @@ from types import TracebackType
 import trio
 from quart import Response
 from quart.wrappers.response import ResponseBody
+
 from tributary.engine import Output, RequestStream
 from tributary.engine.service_nursery import open_service_nursery
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from quart import request
+
 from tributary.engine import BadRequest, GenerateRequest, LogprobRequest, SamplingParams
 
 __all__ = ["NormalizedGenerate", "bool_field", "normalize_generate", "read_json_body"]

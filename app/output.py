@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from quart import Response
+
 from tributary.engine import Done, FinishReason, Frame, Logprobs, TokenLogprob, TopLogprobs
 
 __all__ = [

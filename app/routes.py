@@ -22,8 +22,9 @@ import logging
 
 from quart import Response, request
 from quart_trio import QuartTrio
-from tributary.engine import Engine, EngineClosed, EngineError
 from werkzeug.exceptions import HTTPException
+
+from tributary.engine import Engine, EngineClosed, EngineError
 
 from .admin import admin_blueprint
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request

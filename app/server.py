@@ -36,6 +36,7 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
+
 from tributary.engine import Engine
 from tributary.engine.service_nursery import open_service_nursery
 

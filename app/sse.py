@@ -26,6 +26,7 @@ from typing import Any
 
 from quart import Response
 from quart.wrappers.response import DataBody
+
 from tributary.engine import (
     Done,
     EngineError,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from quart_trio import QuartTrio
+
 from tributary.engine import Engine
 
 from .settings import ServerSettings

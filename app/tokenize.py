@@ -25,8 +25,9 @@ from typing import Any
 
 import jinja2
 from quart import Blueprint, Response
-from tributary.engine import BadRequest, Engine, EngineError
 from werkzeug.exceptions import HTTPException
+
+from tributary.engine import BadRequest, Engine, EngineError
 
 from .errors import sglang_error_object
 from .normalize import bool_field, read_json_body

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import trio
-from tributary.engine import LogprobRequest
-from tributary.engine.logits import LogitHooks
 
 import tributary
+from tributary.engine import LogprobRequest
+from tributary.engine.logits import LogitHooks
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "constrained.json"
 

@@ -27,9 +27,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tributary.engine.runners.llama import compute_thread, default_model_path
-
 from tributary import engine
+from tributary.engine.runners.llama import compute_thread, default_model_path
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "engine.json"
 TOPICS = [

@@ -29,6 +29,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from tributary.engine import Engine
 
 from .errors import InvalidRequest

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import trio
+
 from tributary.engine import (
     Done,
     EngineError,

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from quart import Response
+
 from tributary.engine import Done, Frame
 
 from ..generate import submit_all

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from quart import Response
+
 from tributary.engine import BadRequest, ContextLengthExceeded, EngineError, QueueFull
 
 from ..output import json_response

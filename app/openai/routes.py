@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 
 from quart import Blueprint, Response, request
-from tributary.engine import Engine, EngineError
 from werkzeug.exceptions import HTTPException
+
+from tributary.engine import Engine, EngineError
 
 from ..asgi import owned_by_request
 from ..normalize import read_json_body

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jinja2
+
 from tributary.engine import Engine, GenerateRequest
 
 from ..normalize import check_fan_out, seeded_sample

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from quart import Response
+
 from tributary.engine import Done, Error, Frame, RequestStream
 
 from ..multiplex import MultiplexedBody, sse_response

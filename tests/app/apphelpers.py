@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
+
+from tributary import app, engine
 from tributary.engine import (
     EngineConfig,
     EngineStats,
@@ -24,8 +26,6 @@ from tributary.engine import (
     Output,
     SimLatency,
 )
-
-from tributary import app, engine
 
 #: A fast sim model for wire tests: about 2.5 ms per decode step.
 FAST = SimLatency(step_base=0.002, decode_per_seq=0.0005, prefill_per_token=0.00005)

@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 from apphelpers import Server
+
 from tributary.engine import EngineConfig
 
 #: The real model, small enough to load in about 0.3 s per test. One thread: on a shared

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import trio
 from apphelpers import Server, parse_sse, running_server, server_settings
-from tributary.engine import EngineConfig
 
 from tributary import app
+from tributary.engine import EngineConfig
 
 #: Small context so the model loads fast; one llama.cpp thread because another process may
 #: hold one of the machine's two cores (threads then spin-wait on each other).

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 from apphelpers import parse_sse, running_server
+
 from tributary.engine import EngineConfig
 
 pytestmark = pytest.mark.model

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+
 from tributary.app.cli import build_parser, configs
 
 STARTUP = re.compile(r"Tributary serving (\S+) .*context length (\d+).* at (http://\S+)")

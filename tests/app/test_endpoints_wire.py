@@ -6,9 +6,9 @@ import httpx
 import pytest
 import trio
 from apphelpers import ScriptedEngine, Server, greedy, sim_config
-from tributary.engine import Done
 
 from tributary import app, engine
+from tributary.engine import Done
 
 
 async def test_health_is_200_while_serving(client: httpx.AsyncClient) -> None:

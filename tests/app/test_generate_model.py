@@ -10,9 +10,9 @@ import httpx
 import pytest
 import trio
 from apphelpers import META_KEYS, Server, parse_sse, running_server, server_settings, wait_until
-from tributary.engine import EngineConfig
 
 from tributary import app
+from tributary.engine import EngineConfig
 
 pytestmark = pytest.mark.model
 

@@ -19,6 +19,7 @@ from apphelpers import (
     sim_config,
     wait_until,
 )
+
 from tributary.engine import GenerateRequest, SamplingParams
 
 

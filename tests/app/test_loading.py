@@ -9,9 +9,9 @@ import sys
 import httpx
 import trio
 from apphelpers import server_settings, sim_config
-from tributary.app.loading import LOADING_MESSAGE, bound_port, serve_until_loaded
 
 from tributary import app, engine
+from tributary.app.loading import LOADING_MESSAGE, bound_port, serve_until_loaded
 
 
 async def test_port_answers_503_while_loading_then_the_server_takes_it_over() -> None:

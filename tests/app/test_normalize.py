@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tributary.engine import BadRequest, InvalidSamplingParams
 
 from tributary import app
+from tributary.engine import BadRequest, InvalidSamplingParams
 
 
 def normalize(body: Any) -> app.NormalizedGenerate:

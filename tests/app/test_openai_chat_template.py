@@ -8,6 +8,7 @@ import pytest
 from apphelpers import Server
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openaihelpers import model_name
+
 from tributary.app.openai import ChatTemplate, InvalidRequest
 
 pytest_plugins = ["openaifixtures"]  # model_server, http, aclient

@@ -20,9 +20,9 @@ from apphelpers import (
     wait_until,
 )
 from openaihelpers import chat_body, model_name
-from tributary.engine import Done, Error, Frame, GenerateRequest, RunnerFailure, SamplingParams
 
 from tributary import app
+from tributary.engine import Done, Error, Frame, GenerateRequest, RunnerFailure, SamplingParams
 
 pytest_plugins = ["openaifixtures"]  # model_server, http, aclient
 

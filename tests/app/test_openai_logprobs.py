@@ -12,6 +12,7 @@ import openai
 import pytest
 from apphelpers import Server, parse_sse
 from openaihelpers import chat_body, model_name
+
 from tributary.app.openai import InvalidRequest, parse_chat, parse_completion
 from tributary.engine import LogprobRequest
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from tributary.app.openai import InvalidRequest, parse_chat, parse_completion
 from tributary.engine import BadRequest, InvalidSamplingParams
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import trio
 from apphelpers import ScriptedEngine, parse_sse
+
+from tributary import app
 from tributary.app.sse import EventStreamBody
 from tributary.app.timing import RequestTiming
 from tributary.engine import Done, Frame, Output
-
-from tributary import app
 
 REJECTED = {"type": "abort", "message": "media decode failed", "status_code": 432, "err_type": "x"}
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import trio
 from apphelpers import greedy, parse_sse
-from tributary.engine import EngineConfig, SimLatency
 
 from tributary import app, engine
+from tributary.engine import EngineConfig, SimLatency
 
 LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
 

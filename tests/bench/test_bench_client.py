@@ -20,8 +20,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).parents[1] / "app"))
 
 from apphelpers import running_server, server_settings, sim_config
-from tributary.app import cli as app_cli
 
+from tributary.app import cli as app_cli
 from tributary.bench import (
     Backend,
     BenchConfig,

@@ -7,6 +7,7 @@ import re
 import regex  # type: ignore[import-untyped]
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tributary.engine.detokenize import IncrementalDetokenizer
 
 

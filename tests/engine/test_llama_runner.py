@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
-from tributary.engine import Done, EngineConfig, Frame, GenerateRequest, SamplingParams
 
 from tributary import engine
+from tributary.engine import Done, EngineConfig, Frame, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.model
 

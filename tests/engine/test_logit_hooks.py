@@ -11,6 +11,8 @@ import time
 
 import pytest
 import trio
+
+from tributary import engine
 from tributary.engine import (
     Done,
     EngineConfig,
@@ -21,8 +23,6 @@ from tributary.engine import (
     SamplingParams,
 )
 from tributary.engine.custom_logit_processor import CustomLogitProcessor
-
-from tributary import engine
 
 SIM_BYTE_OFFSET = 3  # sim token ids are bytes + 3
 X = ord("x") + SIM_BYTE_OFFSET

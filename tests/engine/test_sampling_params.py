@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tributary.engine import InvalidSamplingParams, SamplingParams
 from tributary.engine.sampling import TOP_K_ALL
 

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
+
+from tributary import engine
 from tributary.engine import (
     Done,
     EngineConfig,
@@ -21,8 +23,6 @@ from tributary.engine import (
     SamplingParams,
     SimLatency,
 )
-
-from tributary import engine
 
 LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
 

@@ -7,6 +7,8 @@ import re
 
 import pytest
 import trio
+
+from tributary import engine
 from tributary.engine import (
     Done,
     EngineConfig,
@@ -15,8 +17,6 @@ from tributary.engine import (
     InvalidSamplingParams,
     SamplingParams,
 )
-
-from tributary import engine
 
 # The sim runner's tokens are bytes: id = byte + 3.
 SIM_BYTE_OFFSET = 3
