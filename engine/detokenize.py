@@ -66,15 +66,16 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters of self.text already handed out
         self.stopped = False
 
-    def add(self, token_id: int, *, check_stops: bool = True) -> str | None:
+    def add(self, token_id: int, *, check_stops: bool = True, last: bool = False) -> str | None:
         """Append one token's text. Returns the stop string or the stop regex's pattern this
         token matched, if any. Only a match that ends inside this token's text counts (a
         regex match ending just before it counts too when a lookahead needed this token), so
-        text added while checks were off (before min_new_tokens) never matches later."""
+        text added while checks were off (before min_new_tokens) never matches later.
+        `last`: no token follows (a length finish), so nothing is searched or held back."""
         assert not self.stopped, "no tokens after a stop"
         old_len = len(self.text)
         self.text += self._decoder.decode(self._piece(token_id))
-        if len(self.text) == old_len:
+        if len(self.text) == old_len or last:
             return None
         if not check_stops:
             self._checked_from = len(self.text)

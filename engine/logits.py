@@ -211,14 +211,18 @@ class LogitHooks:
             self.logprobs.score_prompt(rows, targets)
 
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
 def _sanitize(row: np.ndarray) -> None:
     """What a processor wrote that sampling and logprobs cannot use: NaN becomes -inf (never
-    sampled, as SGLang's sanitize_nan_logits) and +inf the largest float32."""
-    if not np.isfinite(row).all():
-        np.nan_to_num(row, copy=False, nan=-np.inf, posinf=_FLOAT32_MAX, neginf=-np.inf)
+    sampled, as SGLang's sanitize_nan_logits); +inf means "only these", so the +inf tokens
+    become 0 and every other token -inf (a large finite value would turn back into inf when
+    the sampler divides by a temperature below 1)."""
+    if np.isfinite(row).all():
+        return
+    forced = np.isposinf(row)
+    if forced.any():
+        row[:] = np.where(forced, 0.0, -np.inf)
+    else:
+        np.nan_to_num(row, copy=False, nan=-np.inf, neginf=-np.inf)
 
 
 def _logsumexp(x: np.ndarray, axis: int | None = None) -> Any:

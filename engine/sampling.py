@@ -189,7 +189,9 @@ _BOOL_KEYS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_token
 _STR_KEYS = {"json_schema", "regex", "ebnf", "structural_tag"}
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+#: The largest |logit_bias|: 1e30 / 1e-6 (the lowest non-greedy temperature) still fits
+#: float32 (about 3.4e38).
+MAX_LOGIT_BIAS = 1e30
 
 
 def _finite_float(key: str, value: int | float) -> float:
@@ -251,9 +253,13 @@ def _coerce(key: str, value: Any) -> Any:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 _fail(f"logit_bias values must be numbers, got {v!r}.")
             bias[token_id] = _finite_float("logit_bias values", v)
-            if not math.isfinite(bias[token_id]) or abs(bias[token_id]) > _FLOAT32_MAX:
-                # Logits are float32: a bias past its range would be inf there.
-                _fail(f"logit_bias values must be finite float32 numbers, got {v!r}.")
+            if not math.isfinite(bias[token_id]) or abs(bias[token_id]) > MAX_LOGIT_BIAS:
+                # Logits are float32, and the sampler divides them by the temperature (down
+                # to 1e-6): a larger bias would become inf there.
+                _fail(
+                    f"logit_bias values must be finite numbers within ±{MAX_LOGIT_BIAS:g}, "
+                    f"got {v!r}."
+                )
         return bias
     if key == "custom_params":
         if not isinstance(value, Mapping):

@@ -199,6 +199,10 @@ class Scheduler:
         task_status.started()
         try:
             while True:
+                # A step on the compute thread is waited for shielded (the model is never
+                # freed under a decode), so this is where cancellation (engine exit, Ctrl-C)
+                # reaches a busy scheduler: at every step boundary.
+                await trio.lowlevel.checkpoint_if_cancelled()
                 self._reap()
                 self._admit()
                 if not self.running:
@@ -339,7 +343,7 @@ class Scheduler:
         params = seq.params
         n = len(seq.output_ids)
         if n >= seq.max_new_tokens:
-            seq.detok.add(token, check_stops=False)
+            seq.detok.add(token, check_stops=False, last=True)
             return length_reason(n if params.max_new_tokens is None else params.max_new_tokens)
         may_stop = n > params.min_new_tokens
         is_stop_token = not params.ignore_eos and (

@@ -202,9 +202,11 @@ class LlamaRunner:
         compute_thread().submit(self._free_slot, seq_id)
 
     def _free_slot(self, seq_id: int) -> None:
-        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-        self._count_kv()
-        self._freeing.discard(seq_id)
+        try:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            self._count_kv()
+        finally:
+            self._freeing.discard(seq_id)
 
     def _sampler_chain(self, p: SamplingParams) -> ctypes.c_void_p:
         lib = llama_cpp

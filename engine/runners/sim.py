@@ -109,6 +109,7 @@ class SimRunner:
                 if s.hooks is not None:
                     row = np.zeros(VOCAB_SIZE, dtype=np.float32)
                     row[token] = SIM_PICK_LOGIT
+                    row[list(s.suppress)] = -np.inf  # as the llama runner does first
                     s.hooks.prepare(row)
                     if row[token] < row.max():  # a hook moved the pick
                         token = int(np.argmax(row))

@@ -242,3 +242,22 @@ async def test_prompt_prefill_does_not_depend_on_its_neighbours(eng: engine.Engi
         ],
     )
     assert behind[1][1] == alone
+
+
+async def test_engine_exit_aborts_in_flight_requests_on_the_real_runner() -> None:
+    """Leaving `open_engine` stops a busy llama scheduler at the next step boundary: the
+    stream ends with the documented 503 abort, not by running to its length (a step is
+    waited for shielded, so cancellation used to reach the loop only when it was idle)."""
+    config = EngineConfig(context_length=1024, max_running_requests=2, threads=1)
+    async with engine.open_engine(config) as eng:
+        stream = eng.submit(request(PROMPTS[1], max_new_tokens=600, ignore_eos=True))
+        first = await stream.__anext__()
+        assert isinstance(first, Frame)
+        steps_at_exit = eng.stats().steps
+    rest = [item async for item in stream]
+    stream.close()
+    done = rest[-1]
+    assert isinstance(done, Done)
+    assert done.finish_reason["type"] == "abort" and done.finish_reason["status_code"] == 503
+    assert done.completion_tokens < 20
+    assert eng.stats().steps - steps_at_exit <= 2

@@ -1,6 +1,7 @@
 """What the per-request logits work does when clients push it: a custom processor that fails
 (however it fails) ends only its own request, it sees the logits after logit_bias as in
-SGLang, NaN or +inf it writes is never sampled or reported, a bias past float32 is a 400, and
+SGLang, NaN or +inf it writes is never sampled or reported (+inf forces its token, at any
+temperature), a bias that would overflow float32 under temperature scaling is a 400, and
 a stop regex that backtracks catastrophically is cut off instead of stalling the scheduler.
 Sim runner, whose hooks see a logits row (engine/runners/sim.py)."""
 
@@ -129,10 +130,45 @@ async def test_nan_and_inf_from_a_processor_are_never_sampled_nor_reported(
         assert all(lp is not None and math.isfinite(lp) and lp <= 0 for lp, _ in scores)
 
 
-def test_a_bias_past_float32_is_a_400() -> None:
-    with pytest.raises(InvalidSamplingParams, match="float32"):
-        SamplingParams.from_dict({"logit_bias": {"5": 1e39}})
-    SamplingParams.from_dict({"logit_bias": {"5": 3e38}})  # within float32
+def test_a_bias_that_could_overflow_float32_is_a_400() -> None:
+    for huge in (1e39, 3e38, 1e31):  # 3e38 fits float32, but not once divided by 0.5
+        with pytest.raises(InvalidSamplingParams, match="within"):
+            SamplingParams.from_dict({"logit_bias": {"5": huge}})
+    SamplingParams.from_dict({"logit_bias": {"5": 1e30}})
+
+
+FORCES_WITH_INF = processor(
+    "class P(CustomLogitProcessor):\n"
+    "    def __call__(self, logits, params):\n"
+    "        logits[0, params[0]['token_id']] = float('inf')\n"
+    "        return logits\n"
+)
+
+
+@pytest.mark.model
+async def test_inf_from_a_processor_forces_its_token_at_any_temperature() -> None:
+    """On the real sampler chain: +inf divided by a temperature below 1 stayed inf, the
+    softmax gave NaN, and llama.cpp sampled the last vocabulary id instead."""
+    cfg = EngineConfig(context_length=512, threads=1, enable_custom_logit_processor=True)
+    async with engine.open_engine(cfg) as eng:
+        forced = eng.tokenize(" Paris")[0]
+        for temperature in (1.0, 0.5):
+            params = SamplingParams.from_dict(
+                {
+                    "temperature": temperature,
+                    "max_new_tokens": 4,
+                    "sampling_seed": 1,
+                    "custom_params": {"token_id": forced},
+                }
+            )
+            req = GenerateRequest(
+                text="The capital of France is",
+                sampling=params,
+                custom_logit_processor=FORCES_WITH_INF,
+            )
+            ids, done = await last(eng, req)
+            assert isinstance(done, Done)
+            assert ids == [forced] * 4, temperature
 
 
 async def test_catastrophic_stop_regexes_are_cut_off(autojump_clock: trio.abc.Clock) -> None:
