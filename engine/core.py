@@ -11,6 +11,7 @@ Synopsis::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import uuid
@@ -39,11 +40,13 @@ from .scheduler import Scheduler, Sequence
 from .service_nursery import open_service_nursery
 from .stream import RequestStream
 
-__all__ = ["Engine", "open_engine"]
+__all__ = ["Engine", "IdleReport", "open_engine"]
 
 
 @asynccontextmanager
-async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+async def open_engine(
+    config: EngineConfig | None = None, *, runner: Runner | None = None
+) -> AsyncIterator[Engine]:
     """Load the model, run the scheduler, and yield the `Engine`.
 
     Loading happens off the event loop (for llama.cpp, on its compute thread), so the calling
@@ -51,13 +54,20 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
     cancellation), every request still in flight ends with an abort (status 503), the
     scheduler stops after its current step, and the model is freed. Errors raised in the
     block reach the caller unwrapped.
+
+    `runner`: a runner built by the caller (any object that implements
+    `tributary.engine.runners.base.Runner`, see docs/runners.md), driven instead of the one
+    `config.runner` names; the engine owns it from here on and calls its `close()` on exit.
     """
     config = config or EngineConfig()
-    runner = await open_runner(config)
+    if runner is None:
+        runner = await open_runner(config)
     try:
         engine = Engine(runner, config)
         async with open_service_nursery() as nursery:
             await nursery.start(engine._scheduler.run)
+            engine._nursery = nursery
+            engine._scheduler_tasks = frozenset(nursery.child_tasks)
             try:
                 yield engine
             finally:
@@ -85,6 +95,29 @@ async def open_runner(config: EngineConfig) -> Runner:
     raise ValueError(f"unknown runner {config.runner!r}; expected 'llama' or 'sim'")
 
 
+@dataclasses.dataclass(frozen=True)
+class IdleReport:
+    """What an engine still holds (`Engine.idle_report`): all zero and empty when idle."""
+
+    running: int  # sequences admitted to a runner slot (aborted ones until they are reaped)
+    waiting: int  # submitted, not yet admitted
+    kv_used_cells: int  # as the runner counts them
+    slots_held: int  # runner slots not back in the free list
+    rids: tuple[str, ...]  # request ids still in flight (not yet ended or aborted)
+    tasks: tuple[str, ...]  # tasks in the engine's nursery besides its scheduler
+
+    @property
+    def idle(self) -> bool:
+        return not (
+            self.running
+            or self.waiting
+            or self.kv_used_cells
+            or self.slots_held
+            or self.rids
+            or self.tasks
+        )
+
+
 class Engine:
     """Submit requests, abort them, and look at the model. Create with `open_engine`.
 
@@ -101,6 +134,8 @@ class Engine:
         self._scheduler.on_finish(self._forget)
         self._live: dict[str, Sequence] = {}
         self._closed = False
+        self._nursery: trio.Nursery | None = None  # set by open_engine
+        self._scheduler_tasks: frozenset[trio.lowlevel.Task] = frozenset()
 
     @property
     def capacity(self) -> int:
@@ -114,6 +149,23 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self._scheduler.stats()
+
+    def idle_report(self) -> IdleReport:
+        """What the engine still holds for requests, for leak checks in tests: every field is
+        zero or empty once every request has ended and its sequence has been reaped. An
+        aborted request gives up its rid at once but its slot and KV cells only at the next
+        step boundary (at most one step later)."""
+        scheduler = self._scheduler
+        nursery = self._nursery
+        tasks = [] if nursery is None else nursery.child_tasks
+        return IdleReport(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            kv_used_cells=self._runner.kv_used_cells(),
+            slots_held=scheduler.max_running - len(scheduler._free_slots),
+            rids=tuple(self._live),
+            tasks=tuple(t.name for t in tasks if t not in self._scheduler_tasks),
+        )
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         self._check_open()

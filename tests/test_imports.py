@@ -11,12 +11,12 @@ import sys
 import pytest
 
 import tributary
-from tributary import app, engine
+from tributary import app, engine, testing
 
 
 def all_modules() -> list[str]:
     names = ["tributary"]  # not tributary.__main__: importing it runs the CLI
-    for package in (app, engine):
+    for package in (app, engine, testing):
         names.append(package.__name__)
         for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
             names.append(info.name)
@@ -67,7 +67,8 @@ def test_only_the_tributary_name_is_claimed(tmp_path: object) -> None:
     """A user's own `app` and `engine` modules must win: importing all of Tributary from
     outside the repository binds neither name."""
     code = (
-        "import sys, tributary, tributary.app.cli, tributary.engine.runners.llama;"
+        "import sys, tributary, tributary.app.cli, tributary.engine.runners.llama,"
+        " tributary.testing;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('app', 'engine')))"
     )
     done = subprocess.run(

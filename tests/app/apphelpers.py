@@ -1,8 +1,11 @@
 """Helpers for the HTTP front end tests: sim engines, real Hypercorn servers on port 0, a
 scripted engine for outputs the sim runner cannot produce, and SSE parsing.
 
-Test modules import these with `from apphelpers import ...` (the fixtures are re-exported by
-conftest.py, which puts this directory on sys.path)."""
+Engines and servers come from Tributary's pytest plugin (`tributary.testing`); what is here
+are the suite's defaults on top of it (a fast sim model, `Server.eng`). Test modules import
+these with `from apphelpers import ...` (the fixtures are re-exported by conftest.py, which
+puts this directory on sys.path).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from tributary import app, engine
+from tributary import app, engine, testing
 from tributary.engine import (
     EngineConfig,
     EngineStats,
@@ -45,15 +48,12 @@ META_KEYS = [
 
 
 def sim_config(**overrides: Any) -> EngineConfig:
-    settings: dict[str, Any] = {"runner": "sim", "sim_latency": FAST, "context_length": 4096}
-    settings.update(overrides)
-    return EngineConfig(**settings)
+    """The plugin's `sim_config` with the FAST latency model."""
+    return testing.sim_config(**{"sim_latency": FAST, **overrides})
 
 
-def server_settings(**overrides: Any) -> app.ServerSettings:
-    settings: dict[str, Any] = {"port": 0, "graceful_timeout": 1.0}
-    settings.update(overrides)
-    return app.ServerSettings(**settings)
+#: Port 0 and a 1 s graceful shutdown, with overrides.
+server_settings = testing.server_settings
 
 
 @dataclasses.dataclass
@@ -67,21 +67,19 @@ async def running_server(
     config: EngineConfig | None = None, settings: app.ServerSettings | None = None
 ) -> AsyncIterator[Server]:
     """An engine plus a real Hypercorn on an ephemeral port, shut down gracefully on exit."""
-    async with engine.open_engine(config or sim_config()) as eng:
-        async with app.open_http_server(eng, settings or server_settings()) as urls:
-            yield Server(eng, urls[0])
+    async with testing.open_server(config or sim_config(), settings) as server:
+        yield Server(server.engine, server.url)
 
 
 @pytest.fixture
-async def sim_server() -> AsyncIterator[Server]:
-    async with running_server() as server:
-        yield server
+def sim_server(tributary_server: testing.RunningServer) -> Server:
+    """The plugin's real server, on the engine of `tributary_engine_config` (conftest.py)."""
+    return Server(tributary_server.engine, tributary_server.url)
 
 
 @pytest.fixture
-async def client(sim_server: Server) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=sim_server.url, timeout=30) as c:
-        yield c
+def client(tributary_http_client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return tributary_http_client
 
 
 def parse_sse(body: str) -> list[Any]:

@@ -2,6 +2,10 @@
 
 Costs come from SimLatency: a step costs base + per decoding sequence + per prefill token, so
 every expected time below is computed from the same three numbers the scheduler pays.
+
+Engines come from Tributary's pytest plugin: `tributary_engine`, on LAT here, with a test's
+`tributary_config` marker replacing config fields; the tests about opening and closing an
+engine open their own.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 
-from tributary import engine
+from tributary import engine, testing
 from tributary.engine import (
     Done,
     EngineConfig,
@@ -26,11 +30,11 @@ from tributary.engine import (
 
 LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
 
+pytestmark = pytest.mark.tributary_config(sim_latency=LAT)
+
 
 def sim_config(**overrides: object) -> EngineConfig:
-    settings: dict[str, object] = {"runner": "sim", "sim_latency": LAT, "context_length": 4096}
-    settings.update(overrides)
-    return EngineConfig(**settings)  # type: ignore[arg-type]
+    return testing.sim_config(**{"sim_latency": LAT, **overrides})
 
 
 def request(text: str = "hello", **sampling: object) -> GenerateRequest:
@@ -39,7 +43,7 @@ def request(text: str = "hello", **sampling: object) -> GenerateRequest:
 
 
 def step_cost(decoding: int = 0, prefill: int = 0) -> float:
-    return LAT.step_base + LAT.decode_per_seq * decoding + LAT.prefill_per_token * prefill
+    return testing.step_time(LAT, decoding=decoding, prefill=prefill)
 
 
 async def collect(
@@ -53,10 +57,12 @@ async def collect(
     return out
 
 
-async def test_exact_timing_of_one_request(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        start = trio.current_time()
-        items = await collect(eng.submit(request("hello", max_new_tokens=3)))
+async def test_exact_timing_of_one_request(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    start = trio.current_time()
+    items = await collect(eng.submit(request("hello", max_new_tokens=3)))
     times = [t - start for t, _ in items]
     # Step 1 prefills 5 prompt tokens and samples token 1; steps 2-3 decode one token each.
     first = step_cost(prefill=5)
@@ -69,47 +75,50 @@ async def test_exact_timing_of_one_request(autojump_clock: trio.abc.Clock) -> No
 
 
 async def test_late_request_joins_running_batch_at_next_step(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        long = eng.submit(request("aaaa", max_new_tokens=40))
-        late_items: list[tuple[float, engine.Output]] = []
-        long_items: list[tuple[float, engine.Output]] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(collect, long, long_items)
-            # Let the long request produce 5 tokens; the scheduler is then inside step 6.
-            while len(long_items) < 5:
-                await trio.sleep(0.001)
-            await trio.testing.wait_all_tasks_blocked()
-            submitted = trio.current_time()
-            late_items = await collect(eng.submit(request("bb", max_new_tokens=2)))
-        # The step in flight ends (one decode), then the next step prefills the late prompt
-        # alongside the long decode.
-        long_times = [t for t, _ in long_items]
-        step6_end = long_times[5]
-        assert late_items[0][0] == pytest.approx(step6_end + step_cost(decoding=1, prefill=2))
-        assert late_items[0][0] - submitted < 2 * step_cost(decoding=1, prefill=2)
-        # The late request finished long before the long one: nobody waits for anyone.
-        assert late_items[-1][0] < long_items[-1][0]
-        # And the long request got a token in every step, the joint ones included.
-        gaps = [b - a for a, b in itertools.pairwise(long_times)]
-        assert max(gaps) == pytest.approx(step_cost(decoding=1, prefill=2))
-        assert len(long_items) == 40
+    eng = tributary_engine
+    long = eng.submit(request("aaaa", max_new_tokens=40))
+    late_items: list[tuple[float, engine.Output]] = []
+    long_items: list[tuple[float, engine.Output]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(collect, long, long_items)
+        # Let the long request produce 5 tokens; the scheduler is then inside step 6.
+        while len(long_items) < 5:
+            await trio.sleep(0.001)
+        await trio.testing.wait_all_tasks_blocked()
+        submitted = trio.current_time()
+        late_items = await collect(eng.submit(request("bb", max_new_tokens=2)))
+    # The step in flight ends (one decode), then the next step prefills the late prompt
+    # alongside the long decode.
+    long_times = [t for t, _ in long_items]
+    step6_end = long_times[5]
+    assert late_items[0][0] == pytest.approx(step6_end + step_cost(decoding=1, prefill=2))
+    assert late_items[0][0] - submitted < 2 * step_cost(decoding=1, prefill=2)
+    # The late request finished long before the long one: nobody waits for anyone.
+    assert late_items[-1][0] < long_items[-1][0]
+    # And the long request got a token in every step, the joint ones included.
+    gaps = [b - a for a, b in itertools.pairwise(long_times)]
+    assert max(gaps) == pytest.approx(step_cost(decoding=1, prefill=2))
+    assert len(long_items) == 40
 
 
+@pytest.mark.tributary_config(prefill_chunk_tokens=256)
 async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
     chunk = 256
-    async with engine.open_engine(sim_config(prefill_chunk_tokens=chunk)) as eng:
-        decoder = eng.submit(request("x", max_new_tokens=60))
-        decoded: list[tuple[float, engine.Output]] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(collect, decoder, decoded)
-            while len(decoded) < 3:
-                await trio.sleep(0.001)
-            big = eng.submit(request("y" * 2000, max_new_tokens=1))
-            big_items = await collect(big)
+    eng = tributary_engine
+    decoder = eng.submit(request("x", max_new_tokens=60))
+    decoded: list[tuple[float, engine.Output]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(collect, decoder, decoded)
+        while len(decoded) < 3:
+            await trio.sleep(0.001)
+        big = eng.submit(request("y" * 2000, max_new_tokens=1))
+        big_items = await collect(big)
     times = [t for t, _ in decoded]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     one_chunk_step = step_cost(decoding=1, prefill=chunk)
@@ -120,173 +129,192 @@ async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
     assert big_items[-1][1].prompt_tokens == 2000
 
 
-async def test_queue_full_is_typed_and_recovers(autojump_clock: trio.abc.Clock) -> None:
-    config = sim_config(max_running_requests=1, max_queued_requests=2)
-    async with engine.open_engine(config) as eng:
-        # One takes the free slot, two wait: the engine is full.
-        accepted = [eng.submit(request(max_new_tokens=4)) for _ in range(3)]
-        with pytest.raises(engine.QueueFull) as info:
-            eng.submit(request())
-        assert info.value.http_status == 503
-        await trio.testing.wait_all_tasks_blocked()
-        assert eng.stats().running == 1 and eng.stats().waiting == 2
-        with pytest.raises(engine.QueueFull):
-            eng.submit(request())
-        # Once the queue drains, submitting works again.
-        for stream in accepted:
-            assert isinstance((await collect(stream))[-1][1], Done)
-        third = await collect(eng.submit(request(max_new_tokens=2)))
-        assert isinstance(third[-1][1], Done)
+@pytest.mark.tributary_config(max_running_requests=1, max_queued_requests=2)
+async def test_queue_full_is_typed_and_recovers(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    # One takes the free slot, two wait: the engine is full.
+    accepted = [eng.submit(request(max_new_tokens=4)) for _ in range(3)]
+    with pytest.raises(engine.QueueFull) as info:
+        eng.submit(request())
+    assert info.value.http_status == 503
+    await trio.testing.wait_all_tasks_blocked()
+    assert eng.stats().running == 1 and eng.stats().waiting == 2
+    with pytest.raises(engine.QueueFull):
+        eng.submit(request())
+    # Once the queue drains, submitting works again.
+    for stream in accepted:
+        assert isinstance((await collect(stream))[-1][1], Done)
+    third = await collect(eng.submit(request(max_new_tokens=2)))
+    assert isinstance(third[-1][1], Done)
 
 
 async def test_leaving_stream_early_aborts_and_frees_the_sequence(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        other = eng.submit(request("other", max_new_tokens=30))
-        leaver = eng.submit(request("leaver", max_new_tokens=30))
-        other_items: list[tuple[float, engine.Output]] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(collect, other, other_items)
-            async with leaver:
-                async for item in leaver:
-                    if item.completion_tokens == 3:  # type: ignore[union-attr]
-                        break
-            # Within one step the leaver's sequence is gone and its KV cells are free
-            # ("leaver" would hold at least 6 + 3 cells).
-            await trio.sleep(step_cost(decoding=2) * 1.01)
-            stats = eng.stats()
-            assert stats.running == 1
-            other_cells = len("other") + len(other_items)
-            assert other_cells - 1 <= stats.kv_used_cells <= other_cells
-        assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
+    eng = tributary_engine
+    other = eng.submit(request("other", max_new_tokens=30))
+    leaver = eng.submit(request("leaver", max_new_tokens=30))
+    other_items: list[tuple[float, engine.Output]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(collect, other, other_items)
+        async with leaver:
+            async for item in leaver:
+                if item.completion_tokens == 3:  # type: ignore[union-attr]
+                    break
+        # Within one step the leaver's sequence is gone and its KV cells are free
+        # ("leaver" would hold at least 6 + 3 cells).
+        await trio.sleep(step_cost(decoding=2) * 1.01)
+        stats = eng.stats()
+        assert stats.running == 1
+        other_cells = len("other") + len(other_items)
+        assert other_cells - 1 <= stats.kv_used_cells <= other_cells
+    assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
     done = other_items[-1][1]
     assert isinstance(done, Done) and done.finish_reason["type"] == "length"
     assert done.completion_tokens == 30
 
 
-async def test_cancelled_consumer_aborts(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        with trio.move_on_after(0.1):
-            await collect(eng.submit(request(max_new_tokens=1000)))
-        await trio.sleep(step_cost(decoding=1))
-        assert eng.stats().running == 0
-        assert eng.stats().kv_used_cells == 0
+async def test_cancelled_consumer_aborts(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    with trio.move_on_after(0.1):
+        await collect(eng.submit(request(max_new_tokens=1000)))
+    await trio.sleep(step_cost(decoding=1))
+    assert eng.stats().running == 0
+    assert eng.stats().kv_used_cells == 0
 
 
-async def test_abort_by_rid_ends_stream_with_abort_reason(autojump_clock: trio.abc.Clock) -> None:
-    config = sim_config(max_running_requests=1)
-    async with engine.open_engine(config) as eng:
-        running = eng.submit(
-            GenerateRequest(text="r", rid="run-1", sampling=SamplingParams.from_dict({}))
-        )
-        queued = eng.submit(GenerateRequest(text="q", rid="queued-1"))
-        async with running:
-            await running.__anext__()
-            assert eng.abort("run-1") == 1
-            assert eng.abort("queued", fanout=True) == 0  # a shared prefix is not a family
-            assert eng.abort("queued-1", fanout=True) == 1
-            rest = [item async for item in running]
-        running_done = rest[-1]
-        assert isinstance(running_done, Done)
-        assert running_done.finish_reason["type"] == "abort"
-        assert running_done.finish_reason["message"] == "Aborted"
-        queued_items = await collect(queued)
-        assert queued_items[-1][1].finish_reason == {  # type: ignore[union-attr]
-            "type": "abort",
-            "message": "Abort in waiting queue",
-            "status_code": None,
-            "err_type": None,
-        }
-        # The rid is free again once the request has ended.
-        assert eng.abort("run-1") == 0
-        again = await collect(eng.submit(request(max_new_tokens=1)))
-        assert isinstance(again[-1][1], Done)
+@pytest.mark.tributary_config(max_running_requests=1)
+async def test_abort_by_rid_ends_stream_with_abort_reason(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    running = eng.submit(
+        GenerateRequest(text="r", rid="run-1", sampling=SamplingParams.from_dict({}))
+    )
+    queued = eng.submit(GenerateRequest(text="q", rid="queued-1"))
+    async with running:
+        await running.__anext__()
+        assert eng.abort("run-1") == 1
+        assert eng.abort("queued", fanout=True) == 0  # a shared prefix is not a family
+        assert eng.abort("queued-1", fanout=True) == 1
+        rest = [item async for item in running]
+    running_done = rest[-1]
+    assert isinstance(running_done, Done)
+    assert running_done.finish_reason["type"] == "abort"
+    assert running_done.finish_reason["message"] == "Aborted"
+    queued_items = await collect(queued)
+    assert queued_items[-1][1].finish_reason == {  # type: ignore[union-attr]
+        "type": "abort",
+        "message": "Abort in waiting queue",
+        "status_code": None,
+        "err_type": None,
+    }
+    # The rid is free again once the request has ended.
+    assert eng.abort("run-1") == 0
+    again = await collect(eng.submit(request(max_new_tokens=1)))
+    assert isinstance(again[-1][1], Done)
 
 
-async def test_duplicate_in_flight_rid_is_rejected(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        first = eng.submit(GenerateRequest(text="a", rid="same"))
-        with pytest.raises(engine.DuplicateRequestId, match="Duplicate request ID"):
-            eng.submit(GenerateRequest(text="b", rid="same"))
-        await collect(first)
-        # Sequential reuse is fine.
-        await collect(eng.submit(GenerateRequest(text="c", rid="same")))
+async def test_duplicate_in_flight_rid_is_rejected(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    first = eng.submit(GenerateRequest(text="a", rid="same"))
+    with pytest.raises(engine.DuplicateRequestId, match="Duplicate request ID"):
+        eng.submit(GenerateRequest(text="b", rid="same"))
+    await collect(first)
+    # Sequential reuse is fine.
+    await collect(eng.submit(GenerateRequest(text="c", rid="same")))
 
 
+@pytest.mark.tributary_config(sim_fail_at_step=3)
 async def test_runner_failure_fails_its_batch_and_engine_keeps_serving(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with engine.open_engine(sim_config(sim_fail_at_step=3)) as eng:
-        a = eng.submit(request("a", max_new_tokens=10))
-        b = eng.submit(request("b", max_new_tokens=10))
-        for items in (await collect(a), await collect(b)):
-            last = items[-1][1]
-            assert isinstance(last, Error)
-            assert last.error.http_status == 500
-            assert "injected failure at step 3" in last.error.message
-        assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
-        after = await collect(eng.submit(request("c", max_new_tokens=2)))
-        assert isinstance(after[-1][1], Done)
+    eng = tributary_engine
+    a = eng.submit(request("a", max_new_tokens=10))
+    b = eng.submit(request("b", max_new_tokens=10))
+    for items in (await collect(a), await collect(b)):
+        last = items[-1][1]
+        assert isinstance(last, Error)
+        assert last.error.http_status == 500
+        assert "injected failure at step 3" in last.error.message
+    assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
+    after = await collect(eng.submit(request("c", max_new_tokens=2)))
+    assert isinstance(after[-1][1], Done)
 
 
-async def test_context_checks_use_sglang_messages(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(sim_config(context_length=64)) as eng:
-        with pytest.raises(engine.ContextLengthExceeded) as info:
-            eng.submit(request("z" * 64))
-        assert info.value.message == (
-            "The input (64 tokens) is longer than the model's context length (64 tokens)."
-        )
-        with pytest.raises(engine.ContextLengthExceeded, match="You requested a total of 70"):
-            eng.submit(request("z" * 60, max_new_tokens=10))
-        # max_new_tokens null means "until the context is full".
-        items = await collect(eng.submit(request("z" * 60, max_new_tokens=None)))
-        assert items[-1][1].completion_tokens == 4  # type: ignore[union-attr]
+@pytest.mark.tributary_config(context_length=64)
+async def test_context_checks_use_sglang_messages(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    with pytest.raises(engine.ContextLengthExceeded) as info:
+        eng.submit(request("z" * 64))
+    assert info.value.message == (
+        "The input (64 tokens) is longer than the model's context length (64 tokens)."
+    )
+    with pytest.raises(engine.ContextLengthExceeded, match="You requested a total of 70"):
+        eng.submit(request("z" * 60, max_new_tokens=10))
+    # max_new_tokens null means "until the context is full".
+    items = await collect(eng.submit(request("z" * 60, max_new_tokens=None)))
+    assert items[-1][1].completion_tokens == 4  # type: ignore[union-attr]
 
 
-async def test_stream_interval_batches_frames(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(sim_config(stream_interval=4)) as eng:
-        items = await collect(eng.submit(request(max_new_tokens=10)))
+@pytest.mark.tributary_config(stream_interval=4)
+async def test_stream_interval_batches_frames(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    items = await collect(eng.submit(request(max_new_tokens=10)))
     outputs = [i for _, i in items]
     assert [len(o.output_ids) for o in outputs] == [4, 4, 2]  # type: ignore[union-attr]
     assert [o.completion_tokens for o in outputs] == [4, 8, 10]  # type: ignore[union-attr]
 
 
-async def test_stop_token_id_and_string(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        free = await collect(eng.submit(request("seed", max_new_tokens=12)))
-        ids = [t for _, o in free for t in o.output_ids]  # type: ignore[union-attr]
-        text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
-        stop_id = ids[5]
-        first = ids.index(stop_id)
-        by_id = await collect(
-            eng.submit(request("seed", max_new_tokens=12, stop_token_ids=[stop_id]))
-        )
-        done = by_id[-1][1]
-        assert isinstance(done, Done)
-        assert done.finish_reason == {"type": "stop", "matched": stop_id}
-        assert done.completion_tokens == first + 1  # the stop token is counted ...
-        joined = "".join(o.text for _, o in by_id)  # type: ignore[union-attr]
-        assert joined == text[:first]  # ... but not rendered
-        stop_str = text[6:8]
-        by_str = await collect(eng.submit(request("seed", max_new_tokens=12, stop=[stop_str])))
-        joined = "".join(o.text for _, o in by_str)  # type: ignore[union-attr]
-        assert joined == text[: text.index(stop_str)]
-        assert by_str[-1][1].finish_reason == {"type": "stop", "matched": stop_str}  # type: ignore[union-attr]
+async def test_stop_token_id_and_string(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    free = await collect(eng.submit(request("seed", max_new_tokens=12)))
+    ids = [t for _, o in free for t in o.output_ids]  # type: ignore[union-attr]
+    text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
+    stop_id = ids[5]
+    first = ids.index(stop_id)
+    by_id = await collect(eng.submit(request("seed", max_new_tokens=12, stop_token_ids=[stop_id])))
+    done = by_id[-1][1]
+    assert isinstance(done, Done)
+    assert done.finish_reason == {"type": "stop", "matched": stop_id}
+    assert done.completion_tokens == first + 1  # the stop token is counted ...
+    joined = "".join(o.text for _, o in by_id)  # type: ignore[union-attr]
+    assert joined == text[:first]  # ... but not rendered
+    stop_str = text[6:8]
+    by_str = await collect(eng.submit(request("seed", max_new_tokens=12, stop=[stop_str])))
+    joined = "".join(o.text for _, o in by_str)  # type: ignore[union-attr]
+    assert joined == text[: text.index(stop_str)]
+    assert by_str[-1][1].finish_reason == {"type": "stop", "matched": stop_str}  # type: ignore[union-attr]
 
 
-async def test_min_new_tokens_suppresses_eos(autojump_clock: trio.abc.Clock) -> None:
+async def test_min_new_tokens_suppresses_eos(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
     # logit_bias forces EOS (id 2) on the sim runner, as +100 would on a real model.
-    async with engine.open_engine(sim_config()) as eng:
-        eager = await collect(eng.submit(request(logit_bias={"2": 100})))
-        assert eager[-1][1].completion_tokens == 1  # type: ignore[union-attr]
-        assert eager[-1][1].finish_reason == {"type": "stop", "matched": 2}  # type: ignore[union-attr]
-        held = await collect(eng.submit(request(logit_bias={"2": 100}, min_new_tokens=5)))
-        assert held[-1][1].completion_tokens == 6  # type: ignore[union-attr]
-        ignored = await collect(
-            eng.submit(request(logit_bias={"2": 100}, ignore_eos=True, max_new_tokens=7))
-        )
-        assert ignored[-1][1].finish_reason == {"type": "length", "length": 7}  # type: ignore[union-attr]
+    eng = tributary_engine
+    eager = await collect(eng.submit(request(logit_bias={"2": 100})))
+    assert eager[-1][1].completion_tokens == 1  # type: ignore[union-attr]
+    assert eager[-1][1].finish_reason == {"type": "stop", "matched": 2}  # type: ignore[union-attr]
+    held = await collect(eng.submit(request(logit_bias={"2": 100}, min_new_tokens=5)))
+    assert held[-1][1].completion_tokens == 6  # type: ignore[union-attr]
+    ignored = await collect(
+        eng.submit(request(logit_bias={"2": 100}, ignore_eos=True, max_new_tokens=7))
+    )
+    assert ignored[-1][1].finish_reason == {"type": "length", "length": 7}  # type: ignore[union-attr]
 
 
 async def test_engine_exit_aborts_in_flight_requests(autojump_clock: trio.abc.Clock) -> None:
@@ -312,57 +340,62 @@ async def test_error_in_block_reaches_caller_unwrapped(autojump_clock: trio.abc.
 
 
 async def test_closing_a_generator_around_the_stream_aborts(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """The abort also runs when cleanup sees GeneratorExit (a closed async generator), as
     happens to a streaming HTTP body whose client stopped reading."""
-    async with engine.open_engine(sim_config()) as eng:
+    eng = tributary_engine
 
-        async def frames() -> AsyncIterator[engine.Output]:
-            async with eng.submit(request(max_new_tokens=1000)) as stream:
-                async for item in stream:
-                    yield item
+    async def frames() -> AsyncIterator[engine.Output]:
+        async with eng.submit(request(max_new_tokens=1000)) as stream:
+            async for item in stream:
+                yield item
 
-        agen = frames()
-        await agen.__anext__()
-        assert eng.stats().running == 1
-        await agen.aclose()
-        await trio.sleep(step_cost(decoding=1) * 1.01)
-        assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
+    agen = frames()
+    await agen.__anext__()
+    assert eng.stats().running == 1
+    await agen.aclose()
+    await trio.sleep(step_cost(decoding=1) * 1.01)
+    assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
 
 
+@pytest.mark.tributary_config(prefill_chunk_tokens=8, sim_fail_at_step=1)
 async def test_runner_failure_spares_sequences_outside_the_failed_step(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
     # An 8-token prefill budget: step 1 holds only the first prompt, and step 1 fails.
-    config = sim_config(prefill_chunk_tokens=8, sim_fail_at_step=1)
-    async with engine.open_engine(config) as eng:
-        in_step = eng.submit(request("a" * 8, max_new_tokens=4))
-        waiting_for_budget = eng.submit(request("b" * 8, max_new_tokens=4))
-        failed = (await collect(in_step))[-1][1]
-        spared = (await collect(waiting_for_budget))[-1][1]
+    eng = tributary_engine
+    in_step = eng.submit(request("a" * 8, max_new_tokens=4))
+    waiting_for_budget = eng.submit(request("b" * 8, max_new_tokens=4))
+    failed = (await collect(in_step))[-1][1]
+    spared = (await collect(waiting_for_budget))[-1][1]
     assert isinstance(failed, Error) and failed.error.http_status == 500
     assert isinstance(spared, Done) and spared.completion_tokens == 4
 
 
-async def test_parallel_samples_are_the_callers_to_expand(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        with pytest.raises(engine.BadRequest, match="submit n requests"):
-            eng.submit(request(n=3))
-        assert eng.stats().waiting == 0
+async def test_parallel_samples_are_the_callers_to_expand(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    with pytest.raises(engine.BadRequest, match="submit n requests"):
+        eng.submit(request(n=3))
+    assert eng.stats().waiting == 0
 
 
 async def test_a_rid_is_free_again_as_soon_as_its_request_is_aborted(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
     """A client that gave up may retry with the same rid at once, before the next step
     boundary has reaped the old sequence."""
-    async with engine.open_engine(sim_config()) as eng:
-        first = eng.submit(GenerateRequest(text="a", rid="again"))
-        async with first:
-            await first.__anext__()
-        retry = await collect(eng.submit(GenerateRequest(text="a", rid="again")))
-        assert isinstance(retry[-1][1], Done)
+    eng = tributary_engine
+    first = eng.submit(GenerateRequest(text="a", rid="again"))
+    async with first:
+        await first.__anext__()
+    retry = await collect(eng.submit(GenerateRequest(text="a", rid="again")))
+    assert isinstance(retry[-1][1], Done)
 
 
 async def test_huge_and_non_finite_numbers_are_rejected() -> None:
@@ -373,47 +406,52 @@ async def test_huge_and_non_finite_numbers_are_rejected() -> None:
             SamplingParams.from_dict({"logit_bias": {"5": bad}})
 
 
-async def test_length_limit_comes_before_min_new_tokens(autojump_clock: trio.abc.Clock) -> None:
+@pytest.mark.tributary_config(context_length=64)
+async def test_length_limit_comes_before_min_new_tokens(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
     """max_new_tokens null + a min_new_tokens beyond the context: the request stops at the
     context, and the sequence beside it is untouched."""
-    async with engine.open_engine(sim_config(context_length=64)) as eng:
-        greedy_run = eng.submit(request("hello", max_new_tokens=None, min_new_tokens=200))
-        neighbour = eng.submit(request("other", max_new_tokens=20))
-        done = (await collect(greedy_run))[-1][1]
-        beside = (await collect(neighbour))[-1][1]
+    eng = tributary_engine
+    greedy_run = eng.submit(request("hello", max_new_tokens=None, min_new_tokens=200))
+    neighbour = eng.submit(request("other", max_new_tokens=20))
+    done = (await collect(greedy_run))[-1][1]
+    beside = (await collect(neighbour))[-1][1]
     assert isinstance(done, Done)
     assert done.finish_reason == {"type": "length", "length": 64 - 5}
     assert isinstance(beside, Done) and beside.completion_tokens == 20
 
 
 async def test_stop_string_on_the_last_allowed_token_is_plain_text(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        free = await collect(eng.submit(request("seed", max_new_tokens=8)))
-        text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
-        stop = text[6:8]  # completed by token 8, the last one allowed
-        assert stop not in text[:7]
-        items = await collect(eng.submit(request("seed", max_new_tokens=8, stop=[stop])))
+    eng = tributary_engine
+    free = await collect(eng.submit(request("seed", max_new_tokens=8)))
+    text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
+    stop = text[6:8]  # completed by token 8, the last one allowed
+    assert stop not in text[:7]
+    items = await collect(eng.submit(request("seed", max_new_tokens=8, stop=[stop])))
     assert items[-1][1].finish_reason == {"type": "length", "length": 8}  # type: ignore[union-attr]
     assert "".join(o.text for _, o in items) == text  # type: ignore[union-attr]
 
 
 async def test_min_new_tokens_gates_stop_strings_the_same_way_whatever_else_is_set(
+    tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with engine.open_engine(sim_config()) as eng:
-        free = await collect(eng.submit(request("seed", max_new_tokens=30)))
-        text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
-        # A character that appears among the first 3 tokens and again later.
-        char = next(c for c in text[:3] if c in text[3:])
-        later = text.index(char, 3)  # the first occurrence at token index >= 3
-        results = []
-        for stops in ([char], [char, "an unrelated much longer stop string"]):
-            items = await collect(
-                eng.submit(request("seed", max_new_tokens=30, stop=stops, min_new_tokens=3))
-            )
-            results.append(("".join(o.text for _, o in items), items[-1][1].finish_reason))  # type: ignore[union-attr]
+    eng = tributary_engine
+    free = await collect(eng.submit(request("seed", max_new_tokens=30)))
+    text = "".join(o.text for _, o in free)  # type: ignore[union-attr]
+    # A character that appears among the first 3 tokens and again later.
+    char = next(c for c in text[:3] if c in text[3:])
+    later = text.index(char, 3)  # the first occurrence at token index >= 3
+    results = []
+    for stops in ([char], [char, "an unrelated much longer stop string"]):
+        items = await collect(
+            eng.submit(request("seed", max_new_tokens=30, stop=stops, min_new_tokens=3))
+        )
+        results.append(("".join(o.text for _, o in items), items[-1][1].finish_reason))  # type: ignore[union-attr]
     assert results[0] == results[1]
     assert results[0] == (text[:later], {"type": "stop", "matched": char})
 
