@@ -104,17 +104,14 @@ class IdleReport:
     kv_used_cells: int  # as the runner counts them
     slots_held: int  # runner slots not back in the free list
     rids: tuple[str, ...]  # request ids still in flight (not yet ended or aborted)
-    tasks: tuple[str, ...]  # tasks in the engine's nursery besides its scheduler
+    # The scheduler task is still running. False once it has ended: the engine has closed,
+    # or its scheduler died (an engine that can no longer serve is not idle, it is broken).
+    scheduler_alive: bool
 
     @property
     def idle(self) -> bool:
-        return not (
-            self.running
-            or self.waiting
-            or self.kv_used_cells
-            or self.slots_held
-            or self.rids
-            or self.tasks
+        return self.scheduler_alive and not (
+            self.running or self.waiting or self.kv_used_cells or self.slots_held or self.rids
         )
 
 
@@ -154,17 +151,18 @@ class Engine:
         """What the engine still holds for requests, for leak checks in tests: every field is
         zero or empty once every request has ended and its sequence has been reaped. An
         aborted request gives up its rid at once but its slot and KV cells only at the next
-        step boundary (at most one step later)."""
+        step boundary (at most one step later). An engine whose scheduler task has ended
+        (closed, or its scheduler died) is never idle."""
         scheduler = self._scheduler
         nursery = self._nursery
-        tasks = [] if nursery is None else nursery.child_tasks
+        alive = nursery is not None and bool(self._scheduler_tasks & nursery.child_tasks)
         return IdleReport(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             kv_used_cells=self._runner.kv_used_cells(),
             slots_held=scheduler.max_running - len(scheduler._free_slots),
             rids=tuple(self._live),
-            tasks=tuple(t.name for t in tasks if t not in self._scheduler_tasks),
+            scheduler_alive=alive and not self._closed,
         )
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
@@ -342,7 +340,7 @@ class Engine:
         if self._runner.grammars is None:
             raise BadRequest(
                 f"{kinds[0]} needs a runner with a vocabulary (the llama runner); "
-                f"the {self.config.runner} runner cannot constrain decoding."
+                f"this engine's runner ({type(self._runner).__name__}) cannot constrain decoding."
             )
         return self._runner.grammars.matcher(kinds[0], getattr(params, kinds[0]))
 

@@ -30,7 +30,11 @@ def test_every_example_passes(tmp_path: Path) -> None:
         module.write_text(source)
         modules.append(module.stem)
     report = tmp_path / "report.xml"
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_DISABLE_PLUGIN_AUTOLOAD"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "PYTEST_ADDOPTS")
+    }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"],
         cwd=tmp_path,

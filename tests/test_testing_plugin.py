@@ -28,6 +28,7 @@ from tributary.testing import (
     fail_step,
     leave_stream_after,
     open_sim_engine,
+    sim_config,
     step_time,
     wait_engine_idle,
 )
@@ -84,6 +85,30 @@ async def test_indirect_parameters(
     assert tributary_engine_config.max_running_requests == 8
 
 
+class TestAnOverriddenConfigKeepsItsParameters:
+    """An override of `tributary_engine_config` that never reads `request.param`: the
+    indirect parameter still reaches the engine (`tributary_engine` applies it)."""
+
+    @pytest.fixture
+    def tributary_engine_config(self) -> engine.EngineConfig:
+        return sim_config(stream_interval=3, max_queued_requests=11)
+
+    @pytest.mark.parametrize(
+        "tributary_engine_config",
+        [{"max_queued_requests": 5}, engine.EngineConfig(runner="sim", max_queued_requests=6)],
+        indirect=True,
+        ids=["dict", "config"],
+    )
+    async def test_the_parameter_is_applied(
+        self, tributary_engine: engine.Engine, request: pytest.FixtureRequest
+    ) -> None:
+        config = tributary_engine.config
+        assert config.max_queued_requests == (5 if "dict" in request.node.name else 6)
+        # A dict replaces fields of the override's config; an EngineConfig replaces it all.
+        assert config.stream_interval == (3 if "dict" in request.node.name else 1)
+        assert config.max_running_requests == 3  # and the module's marker still applies
+
+
 # -- the idle checks ------------------------------------------------------------------------
 
 
@@ -96,12 +121,43 @@ async def test_idle_report_names_what_is_held(
     await stream.__anext__()
     report = tributary_engine.idle_report()
     assert report.running == 1 and report.slots_held == 1 and report.rids == ("held",)
-    assert report.kv_used_cells == len("hello") and report.tasks == ()
+    assert report.kv_used_cells == len("hello") and report.scheduler_alive
     with pytest.raises(AssertionError, match=r"running=1, kv_used_cells=5, slots_held=1"):
         assert_engine_idle(tributary_engine)
     stream.close()
     assert tributary_engine.idle_report().rids == ()  # free at once ...
     assert tributary_engine.idle_report().running == 1  # ... the slot at the step boundary
+
+
+class _SchedulerDeath(BaseException):
+    """Not an Exception, so the scheduler does not treat it as a failed step: it dies."""
+
+
+async def test_a_dead_or_closed_scheduler_is_not_idle(autojump_clock: trio.abc.Clock) -> None:
+    async def die(plan: Any) -> list[int]:
+        raise _SchedulerDeath
+
+    with pytest.raises(_SchedulerDeath):
+        async with open_sim_engine() as eng:
+            assert_engine_idle(eng)
+            eng._runner.step = die  # type: ignore[method-assign]
+            eng.submit(request(5)).close()  # wakes the scheduler, whose step now kills it
+            eng.submit(request(5))
+            with trio.CancelScope(shield=True):  # the dead scheduler cancels this block
+                await trio.testing.wait_all_tasks_blocked()
+                report = eng.idle_report()
+                # Its shutdown ended every request: only the dead scheduler is left.
+                assert not report.scheduler_alive
+                assert (report.running, report.waiting, report.rids) == (0, 0, ())
+                with pytest.raises(AssertionError, match="scheduler_alive=False"):
+                    assert_engine_idle(eng)
+                with pytest.raises(AssertionError, match="cannot become idle"):
+                    await wait_engine_idle(eng)
+    assert not eng.idle_report().idle
+    async with open_sim_engine() as eng:
+        assert_engine_idle(eng)
+    with pytest.raises(AssertionError, match="closed or its scheduler died"):
+        assert_engine_idle(eng)
 
 
 async def test_wait_engine_idle_bound_is_exact_in_virtual_time(
@@ -198,9 +254,22 @@ async def test_in_memory_disconnects(
     await wait_engine_idle(tributary_engine, timeout=step_time(decoding=1))
     start = trio.current_time()
     unary = {"text": "hello", "sampling_params": {"max_new_tokens": 1000}}
-    assert await tributary_client.disconnect_after("/generate", unary, seconds=0.25) == []
+    assert (
+        await tributary_client.disconnect_after("/generate", unary, seconds=0.25, unary=True) == []
+    )
     assert trio.current_time() - start == pytest.approx(0.25)
     await wait_engine_idle(tributary_engine, timeout=step_time(decoding=1))
+    # Leaving before the response has started cuts nothing that was checked: an error.
+    with pytest.raises(AssertionError, match=r"had not started .*no response headers"):
+        await tributary_client.disconnect_after("/generate", unary, seconds=0.25)
+    await wait_engine_idle(tributary_engine)
+
+    async def slow_to_read(scope: Any, receive: Any, send: Any) -> None:
+        await trio.sleep(1)  # the handler has not even read the request at 0.25 s
+        await receive()
+
+    with pytest.raises(AssertionError, match=r"had not started .*had not read the request"):
+        await AppClient(slow_to_read).disconnect_after("/x", unary, seconds=0.25, unary=True)
     # A response that ends before the moment to leave cut nothing: that is an error.
     with pytest.raises(AssertionError, match="ended before the client left"):
         await tributary_client.disconnect_after("/generate", long_stream(2), frames=5)
@@ -231,7 +300,10 @@ async def test_a_real_server_and_real_disconnects(
     assert len(events) >= 2 and "[DONE]" not in events
     await wait_engine_idle(eng, timeout=2.0)
     unary = {"text": "hello", "sampling_params": {"max_new_tokens": 1000}}
-    assert await disconnect_after(url, unary, seconds=0.1) == []
+    assert await disconnect_after(url, unary, seconds=0.1, unary=True) == []
+    await wait_engine_idle(eng, timeout=2.0)
+    with pytest.raises(AssertionError, match=r"had not started .*no response headers"):
+        await disconnect_after(url, unary, seconds=0.1)
     await wait_engine_idle(eng, timeout=2.0)
     with pytest.raises(AssertionError, match="ended before the client left"):
         await disconnect_after(url, long_stream(1), frames=3)
@@ -262,3 +334,11 @@ def test_a_real_server_refuses_virtual_time(tmp_path: Path) -> None:
     )
     assert done.returncode == 1, done.stdout
     assert "cannot run under autojump_clock" in done.stdout
+
+
+async def test_a_grammar_on_a_runner_without_one_names_that_runner(
+    tributary_engine: engine.Engine,
+) -> None:
+    params = SamplingParams.from_dict({"regex": "a+"})
+    with pytest.raises(engine.BadRequest, match=r"runner \(SimRunner\) cannot constrain"):
+        tributary_engine.submit(GenerateRequest(text="hi", sampling=params))

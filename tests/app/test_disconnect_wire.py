@@ -17,6 +17,8 @@ import pytest
 import trio
 from apphelpers import Server, greedy, parse_sse, wait_until
 
+from tributary.testing import assert_engine_idle
+
 BYSTANDER_TOKENS = 300
 LONG = greedy(100_000 // 40)  # would take seconds; the test ends long before
 
@@ -79,4 +81,4 @@ async def test_disconnect_aborts_within_one_step(
     final = events[-2]["meta_info"]
     assert final["completion_tokens"] == BYSTANDER_TOKENS
     assert final["finish_reason"] == {"type": "length", "length": BYSTANDER_TOKENS}
-    assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
+    assert_engine_idle(eng)

@@ -13,7 +13,7 @@ from apphelpers import greedy, parse_sse
 
 from tributary import app, engine
 from tributary.engine import SimLatency
-from tributary.testing import AppClient, step_time
+from tributary.testing import AppClient, assert_engine_idle, step_time, wait_engine_idle
 
 LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
 #: 70 steps of one virtual second each: longer than Quart's 60 s RESPONSE_TIMEOUT default.
@@ -121,8 +121,7 @@ async def test_disconnect_frees_the_sequence_at_the_next_step(
         assert eng.stats().running == 1
         steps_at_close = eng.stats().steps
         await conn.disconnect()
-        while eng.stats().running:
-            await trio.sleep(0.0001)
+        await wait_engine_idle(eng)
     # The step in flight at the close finishes; the sequence is gone at the next boundary.
     assert eng.stats().steps - steps_at_close <= 1
-    assert eng.stats().kv_used_cells == 0
+    assert_engine_idle(eng)

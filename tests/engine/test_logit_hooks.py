@@ -24,6 +24,7 @@ from tributary.engine import (
     SamplingParams,
 )
 from tributary.engine.custom_logit_processor import CustomLogitProcessor
+from tributary.testing import assert_engine_idle
 
 SIM_BYTE_OFFSET = 3  # sim token ids are bytes + 3
 X = ord("x") + SIM_BYTE_OFFSET
@@ -60,8 +61,13 @@ NAN_BUT_ONE = processor(
 )
 
 
-def config() -> EngineConfig:
-    return EngineConfig(runner="sim", context_length=1024, enable_custom_logit_processor=True)
+# The sim tests run on the plugin's engine (`tributary.testing`), with these fields.
+pytestmark = pytest.mark.tributary_config(context_length=1024, enable_custom_logit_processor=True)
+
+
+@pytest.fixture
+def eng(tributary_engine: engine.Engine) -> engine.Engine:
+    return tributary_engine
 
 
 def request(
@@ -83,51 +89,51 @@ async def last(eng: engine.Engine, req: GenerateRequest) -> tuple[list[int], Don
 
 
 async def test_a_processor_that_exits_fails_only_its_request(
+    eng: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with engine.open_engine(config()) as eng:
-        results: list[tuple[list[int], Done | Error]] = []
+    results: list[tuple[list[int], Done | Error]] = []
 
-        async def run(req: GenerateRequest) -> None:
-            results.append(await last(eng, req))
+    async def run(req: GenerateRequest) -> None:
+        results.append(await last(eng, req))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run, request(custom=RAISES_SYSTEM_EXIT))
-            nursery.start_soon(run, request(max_new_tokens=6))
-        failed = [r for _, r in results if isinstance(r, Error)]
-        done = [(ids, r) for ids, r in results if isinstance(r, Done)]
-        assert len(failed) == 1 and failed[0].error.http_status == 400
-        assert "SystemExit" in failed[0].error.message
-        assert len(done) == 1 and len(done[0][0]) == 6
-        ids, after = await last(eng, request())
-        assert isinstance(after, Done) and len(ids) == 4  # the engine still serves
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, request(custom=RAISES_SYSTEM_EXIT))
+        nursery.start_soon(run, request(max_new_tokens=6))
+    failed = [r for _, r in results if isinstance(r, Error)]
+    done = [(ids, r) for ids, r in results if isinstance(r, Done)]
+    assert len(failed) == 1 and failed[0].error.http_status == 400
+    assert "SystemExit" in failed[0].error.message
+    assert len(done) == 1 and len(done[0][0]) == 6
+    ids, after = await last(eng, request())
+    assert isinstance(after, Done) and len(ids) == 4  # the engine still serves
+    assert_engine_idle(eng)  # and the failed request left nothing behind
 
 
-async def test_the_processor_sees_logits_after_logit_bias(autojump_clock: trio.abc.Clock) -> None:
-    async with engine.open_engine(config()) as eng:
-        plain, _ = await last(eng, request(custom=KEEPS_ONLY_ITS_ARGMAX))
-        assert X not in plain
-        biased, _ = await last(
-            eng, request(custom=KEEPS_ONLY_ITS_ARGMAX, logit_bias={str(X): 100.0})
-        )
-        assert biased == [X] * 4
+async def test_the_processor_sees_logits_after_logit_bias(
+    eng: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    plain, _ = await last(eng, request(custom=KEEPS_ONLY_ITS_ARGMAX))
+    assert X not in plain
+    biased, _ = await last(eng, request(custom=KEEPS_ONLY_ITS_ARGMAX, logit_bias={str(X): 100.0}))
+    assert biased == [X] * 4
 
 
 async def test_nan_and_inf_from_a_processor_are_never_sampled_nor_reported(
+    eng: engine.Engine,
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with engine.open_engine(config()) as eng:
-        req = request(
-            custom=NAN_BUT_ONE, custom_params={"token_id": Y}, logprobs=LogprobRequest(top_n=2)
-        )
-        async with eng.submit(req) as stream:
-            items = [item async for item in stream]
-        assert all(isinstance(i, engine.Frame | Done) for i in items)
-        ids = [t for i in items for t in i.output_ids]  # type: ignore[union-attr]
-        assert ids == [Y] * 4
-        scores = [lp for i in items for lp in i.logprobs.output_token]  # type: ignore[union-attr]
-        assert [t for _, t in scores] == ids
-        assert all(lp is not None and math.isfinite(lp) and lp <= 0 for lp, _ in scores)
+    req = request(
+        custom=NAN_BUT_ONE, custom_params={"token_id": Y}, logprobs=LogprobRequest(top_n=2)
+    )
+    async with eng.submit(req) as stream:
+        items = [item async for item in stream]
+    assert all(isinstance(i, engine.Frame | Done) for i in items)
+    ids = [t for i in items for t in i.output_ids]  # type: ignore[union-attr]
+    assert ids == [Y] * 4
+    scores = [lp for i in items for lp in i.logprobs.output_token]  # type: ignore[union-attr]
+    assert [t for _, t in scores] == ids
+    assert all(lp is not None and math.isfinite(lp) and lp <= 0 for lp, _ in scores)
 
 
 def test_a_bias_that_could_overflow_float32_is_a_400() -> None:
@@ -171,20 +177,22 @@ async def test_inf_from_a_processor_forces_its_token_at_any_temperature() -> Non
             assert ids == [forced] * 4, temperature
 
 
-async def test_catastrophic_stop_regexes_are_cut_off(autojump_clock: trio.abc.Clock) -> None:
+async def test_catastrophic_stop_regexes_are_cut_off(
+    eng: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
     # 32 patterns that backtrack exponentially on a run of "x" not followed by a digit: with
     # a limit per search instead of per token, one token took seconds here.
     patterns = [r"(?:x|xx)+[0-9]" + "(?:)" * i for i in range(32)]
-    async with engine.open_engine(config()) as eng:
-        req = request(max_new_tokens=60, logit_bias={str(X): 100.0}, stop_regex=patterns)
-        started = time.monotonic()
-        ids, done = await last(eng, req)
-        # Bounded: 20 ms of searching a token (a limit per search let one token take 3 s).
-        assert time.monotonic() - started < 1.5
-        assert isinstance(done, Done)
-        reason = done.finish_reason
-        assert reason["type"] == "abort" and reason["status_code"] == 400
-        assert "catastrophic backtracking" in reason["message"]
-        assert 0 < len(ids) < 60
-        _, after = await last(eng, request())
-        assert isinstance(after, Done)
+    req = request(max_new_tokens=60, logit_bias={str(X): 100.0}, stop_regex=patterns)
+    started = time.monotonic()
+    ids, done = await last(eng, req)
+    # Bounded: 20 ms of searching a token (a limit per search let one token take 3 s).
+    assert time.monotonic() - started < 1.5
+    assert isinstance(done, Done)
+    reason = done.finish_reason
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert "catastrophic backtracking" in reason["message"]
+    assert 0 < len(ids) < 60
+    _, after = await last(eng, request())
+    assert isinstance(after, Done)
+    assert_engine_idle(eng)

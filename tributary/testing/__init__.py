@@ -10,9 +10,10 @@ shows how to use it.
 
 Fixtures (function scope; the chain is config -> engine -> app -> client, engine -> server):
 
-- `tributary_engine_config`: the config, `sim_config()` unless overridden or indirectly
-  parametrized; `@pytest.mark.tributary_config(**fields)` replaces fields for a test, class
-  or module;
+- `tributary_engine_config`: the config, `sim_config()` unless overridden; an indirect
+  parameter of it (a dict of fields or an `EngineConfig`) is applied by `tributary_engine`,
+  override or not; `@pytest.mark.tributary_config(**fields)` replaces fields for a test,
+  class or module;
 - `tributary_runner`: None, or a runner of your own for the engine to drive;
 - `tributary_engine`: an open `Engine` on that config, closed after the test;
 - `tributary_server_settings`, `tributary_app` (the HTTP app over the engine),
@@ -26,7 +27,7 @@ Helpers (plain functions and classes that need no fixture and work in any Trio c
 - `sim_config`, `open_sim_engine`, `step_time`, `DEFAULT_SIM_LATENCY`: sim engines and the
   exact cost of their steps;
 - `assert_engine_idle(engine)` and `await wait_engine_idle(engine)`: nothing running or
-  waiting, no KV cell used, no slot or rid held, no stray task in the engine's nursery;
+  waiting, no KV cell used, no slot or rid held, and the scheduler task still running;
 - `leave_stream_after(stream, frames)`: a consumer that stops reading mid-generation;
   `collect(stream)`: read a stream to its end;
 - `fail_step(engine, at=None)`: the sim runner's next (or `at`-th) step fails;

@@ -90,15 +90,18 @@ def describe(report: IdleReport) -> str:
     parts = [
         f"{field.name}={getattr(report, field.name)!r}"
         for field in dataclasses.fields(report)
-        if getattr(report, field.name)
+        if field.name != "scheduler_alive" and getattr(report, field.name)
     ]
+    if not report.scheduler_alive:
+        parts.append("scheduler_alive=False (the engine is closed or its scheduler died)")
     return ", ".join(parts) or "idle"
 
 
 def assert_engine_idle(engine: Engine) -> None:
     """Assert, now, that the engine holds nothing for any request: no running or waiting
-    sequence, no KV cell in use, no runner slot held, no request id in flight, and no task
-    in the engine's nursery besides its scheduler (see `Engine.idle_report`).
+    sequence, no KV cell in use, no runner slot held, no request id in flight, and its
+    scheduler task still running (a closed engine, or one whose scheduler died, is not
+    idle; see `Engine.idle_report`).
 
     Right after a request is cancelled or aborted its rid is free, but its sequence keeps
     its slot and KV cells until the next step boundary (at most one step later): to check
@@ -117,13 +120,17 @@ async def wait_engine_idle(engine: Engine, *, timeout: float = 10.0) -> None:
 
     It checks every millisecond of Trio clock, each time once every other task has run as
     far as it can at that instant (`trio.testing.wait_all_tasks_blocked`), so a step that
-    ends exactly at the deadline has been committed and reaped before the last check.
+    ends exactly at the deadline has been committed and reaped before the last check. Fails
+    at once if the scheduler task has ended (nothing would ever be reaped then).
     """
     deadline = trio.current_time() + timeout
     while True:
         await trio.testing.wait_all_tasks_blocked()
-        if engine.idle_report().idle:
+        report = engine.idle_report()
+        if report.idle:
             return
+        if not report.scheduler_alive:
+            raise AssertionError(f"the engine cannot become idle: {describe(report)}")
         now = trio.current_time()
         if now >= deadline:
             break

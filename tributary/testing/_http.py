@@ -328,13 +328,18 @@ class AppClient:
         frames: int | None = None,
         seconds: float | None = None,
         method: str = "POST",
+        unary: bool = False,
     ) -> list[Any]:
         """Send a request and go away mid-response: after `frames` SSE data events (not
         counting `[DONE]`), or after `seconds` of Trio clock, whichever comes first (at
-        least one of them must be given; `seconds` also works for a unary request). Returns
-        once the app has returned, with the events read.
+        least one of them must be given). Returns once the app has returned, with the events
+        read.
 
-        AssertionError if the response ended before the client left: then nothing was cut.
+        AssertionError if the response ended before the client left (then nothing was cut),
+        or if it had not started (no status and headers yet: the disconnect may have come
+        before the handler even ran). A unary request's response starts only when it ends:
+        pass `unary=True` to leave one mid-generation, and then it is enough that the app
+        has read the request.
         """
         _check_moment(frames, seconds)
         events: list[Any] = []
@@ -349,6 +354,9 @@ class AppClient:
                 raise AssertionError(
                     f"the response (status {s.status}) ended before the client left: {events!r}"
                 )
+            if s.status is None and not (unary and s._body is None):
+                what = "the app had not read the request" if unary else "no response headers"
+                raise AssertionError(f"the response had not started when the client left ({what})")
             await s.disconnect()
         return events
 
@@ -407,25 +415,37 @@ async def disconnect_after(
     frames: int | None = None,
     seconds: float | None = None,
     headers: Mapping[str, str] | None = None,
+    unary: bool = False,
 ) -> list[Any]:
     """POST `json` to `url` over a real socket (httpx, a connection of its own) and close the
     connection mid-response: after `frames` SSE data events (not counting `[DONE]`), or after
-    `seconds`, whichever comes first (at least one must be given; `seconds` also works for a
-    unary request). Returns the events read, once the connection is closed; what the server
-    then does is up to it (a Tributary server aborts the request's sequences at the next
-    step boundary).
+    `seconds`, whichever comes first (at least one must be given). Returns the events read,
+    once the connection is closed; what the server then does is up to it (a Tributary server
+    aborts the request's sequences at the next step boundary).
 
-    AssertionError if the response ended before the client left: then nothing was cut.
+    AssertionError if the response ended before the client left (then nothing was cut), or
+    if no response headers had arrived (the disconnect may have come before the handler
+    even ran). A unary request's response starts only when it ends: pass `unary=True` to
+    leave one mid-generation, and then it is enough that the whole request was sent.
     """
     import httpx
 
     _check_moment(frames, seconds)
     events: list[Any] = []
     parser = SSEParser()
-    ended = False
+    ended = started = sent = False
+
+    async def trace(event: str, info: Any) -> None:
+        nonlocal sent
+        if event.endswith("send_request_body.complete"):
+            sent = True
+
     async with httpx.AsyncClient(timeout=None) as client:
         with trio.move_on_after(math.inf if seconds is None else seconds):
-            async with client.stream("POST", url, json=json, headers=headers) as response:
+            async with client.stream(
+                "POST", url, json=json, headers=headers, extensions={"trace": trace}
+            ) as response:
+                started = True
                 async for chunk in response.aiter_bytes():
                     events.extend(parser.feed(chunk))
                     if frames is not None and sum(map(_is_frame, events)) >= frames:
@@ -434,4 +454,7 @@ async def disconnect_after(
                     ended = True
     if ended or "[DONE]" in events:
         raise AssertionError(f"the response ended before the client left: {events!r}")
+    if not started and not (unary and sent):
+        what = "the request had not been sent" if unary else "no response headers"
+        raise AssertionError(f"the response had not started when the client left ({what})")
     return events

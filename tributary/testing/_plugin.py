@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 MARKER = "tributary_config"
+CONFIG_FIXTURE = "tributary_engine_config"
 
 
 def _needs_pytest_trio(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -72,30 +73,48 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+_NO_PARAM = object()
+
+
+def _indirect_param(node: pytest.Item) -> Any:
+    """The value `tributary_engine_config` is parametrized with (indirectly) for this test,
+    read from the test's call spec so that it does not depend on which fixture function
+    (the plugin's or an override that ignores `request.param`) provides the config."""
+    callspec = getattr(node, "callspec", None)
+    if callspec is None:
+        return _NO_PARAM
+    return callspec.params.get(CONFIG_FIXTURE, _NO_PARAM)
+
+
+def _apply_param(config: EngineConfig, param: Any) -> EngineConfig:
+    """An `EngineConfig` param replaces `config`; a dict of fields replaces those fields."""
+    if param is _NO_PARAM:
+        return config
+    if isinstance(param, EngineConfig):
+        return param
+    if isinstance(param, Mapping):
+        return dataclasses.replace(config, **param)
+    raise TypeError(f"{CONFIG_FIXTURE} takes an EngineConfig or a dict of fields, not {param!r}")
+
+
 @pytest.fixture
 def tributary_engine_config(request: pytest.FixtureRequest) -> EngineConfig:
     """The config `tributary_engine` is opened with: `sim_config()` (the sim runner,
     `DEFAULT_SIM_LATENCY`, a 4096-token context).
 
     Change it by overriding this fixture (in a test module or conftest.py), or by indirect
-    parametrization with an `EngineConfig`, or a dict of fields for `sim_config`::
+    parametrization with an `EngineConfig` (used as is), or a dict of fields (replaced in
+    the config this fixture, or your override of it, returns)::
 
         @pytest.mark.parametrize(
             "tributary_engine_config", [{"max_running_requests": 1}], indirect=True
         )
 
-    For a few fields, the `tributary_config` marker is shorter (see `tributary_engine`).
+    `tributary_engine` applies the parameter itself, so an override of this fixture need
+    not read `request.param` for it to count. For a few fields, the `tributary_config`
+    marker is shorter (see `tributary_engine`).
     """
-    param = getattr(request, "param", None)
-    if param is None:
-        return sim_config()
-    if isinstance(param, EngineConfig):
-        return param
-    if isinstance(param, Mapping):
-        return sim_config(**param)
-    raise TypeError(
-        f"tributary_engine_config takes an EngineConfig or a dict of fields, not {param!r}"
-    )
+    return _apply_param(sim_config(), _indirect_param(request.node))
 
 
 def _marked_overrides(node: pytest.Item) -> dict[str, Any]:
@@ -124,9 +143,11 @@ async def tributary_engine(
     """An open engine for the test, closed after it (requests still in flight then end
     with a 503 abort).
 
-    Its config is `tributary_engine_config` with the fields of any
-    `@pytest.mark.tributary_config(**fields)` marker replaced (the test's marker wins over
-    its class's, which wins over the module's `pytestmark`)::
+    Its config is `tributary_engine_config`, then the test's indirect parameter of
+    `tributary_engine_config` if it has one (an `EngineConfig` replaces the config, a dict
+    replaces those fields; applied here, so an override of the config fixture cannot drop
+    it), then the fields of any `@pytest.mark.tributary_config(**fields)` marker (the
+    test's marker wins over its class's, which wins over the module's `pytestmark`)::
 
         @pytest.mark.tributary_config(sim_fail_at_step=3, max_running_requests=1)
         async def test_a_failed_step(tributary_engine, autojump_clock): ...
@@ -135,7 +156,7 @@ async def tributary_engine(
     Trio's clock, so a test that asks for pytest-trio's `autojump_clock` (the test itself
     must ask for it) runs in virtual time with exact latencies (`step_time`).
     """
-    config = tributary_engine_config
+    config = _apply_param(tributary_engine_config, _indirect_param(request.node))
     overrides = _marked_overrides(request.node)
     if overrides:
         config = dataclasses.replace(config, **overrides)
