@@ -45,3 +45,13 @@ _typecheck:
 # Run the benchmarks; results go to docs/benchmarks/.
 bench: _ensure-setup
     {{venv}}/bin/python bench/engine.py
+
+# Side by side over HTTP: Tributary, llama-server, llama_cpp.server (docs/benchmarks/serving.md).
+bench-serving *ARGS: _ensure-setup
+    python3 bench/peers.py build-llama-server
+    python3 bench/peers.py setup-llama-cpp-server
+    {{venv}}/bin/python bench/serving.py {{ARGS}}
+
+# API overhead (zero-cost sim runner) against a bare Quart-Trio route (docs/benchmarks/overhead.md).
+bench-overhead *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/overhead.py {{ARGS}}
