@@ -49,11 +49,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from page_notes import NOTES_END, NOTES_START, existing_notes
+
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "benchmarks"
 PYTHON = REPO / ".venv" / "bin" / "python"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-NOTES_START, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
 
 PROMPT = "Hi there"  # 8 bytes: 8 tokens on the sim runner
 MAX_NEW_TOKENS = 4
@@ -848,15 +849,6 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def existing_notes(path: Path) -> str:
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    if NOTES_START in text and NOTES_END in text:
-        return text.split(NOTES_START, 1)[1].split(NOTES_END, 1)[0]
-    return ""
 
 
 def main() -> None:

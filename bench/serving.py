@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from page_notes import NOTES_END, NOTES_START, existing_notes
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "benchmarks"
@@ -65,8 +66,6 @@ VENV_BIN = REPO / ".venv" / "bin"
 PEERS = REPO / ".bench-peers"
 LOGS = PEERS / "logs"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-NOTES_START, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -1143,15 +1142,6 @@ def write_json(doc: dict[str, Any], path: Path) -> None:
     ]
     text = re.sub(r'"@@inline(\d+)@@"', lambda m: inline[int(m[1])], json.dumps(shallow, indent=1))
     path.write_text(text + "\n")
-
-
-def existing_notes(path: Path) -> str:
-    if not path.exists():
-        return ""
-    text = path.read_text()
-    if NOTES_START in text and NOTES_END in text:
-        return text.split(NOTES_START, 1)[1].split(NOTES_END, 1)[0]
-    return ""
 
 
 def main() -> None:
