@@ -6,31 +6,39 @@ Synopsis::
         async def __anext__(self) -> bytes:
             backlog = await self.next_backlog()    # [(item index, Output), ...] or None at end
             ...
+            if self.exhausted:                     # that backlog held the last terminal item
+                ...                                # so the end can go in the same write
 
-Quart drives a `ResponseBody` as `async with body: async for chunk in body: send(chunk)`, so
-the nursery opened in `__aenter__` and closed in `__aexit__` nests properly in the responding
-task (an async generator holding a nursery across `yield` would not). One pump task per
-stream moves engine items into a single channel as the engine delivers them; `next_backlog`
+Each stream is redirected (`RequestStream.redirect`) into one channel: the engine's scheduler
+puts `(index, item)` there the moment it produces an item, and `on_item` sees it at that
+moment, so per-item timing never waits for the client. No task per stream. `next_backlog`
 returns everything waiting, so a slow reader gets one coalesced write instead of many.
-Leaving the body early (client gone: `Cancelled`, or `GeneratorExit`) cancels the pumps and
-aborts every unfinished request synchronously.
+Leaving the body early (client gone: `Cancelled`, or `GeneratorExit`), or never entering it,
+aborts every unfinished request synchronously (`close`; the view also hands the streams to
+the exchange with `owned_by_request`).
+
+Subclasses set whatever `on_item` reads before calling `super().__init__`, since items that
+are already waiting are delivered during it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import abstractmethod
 from collections.abc import Sequence
+from functools import partial
 from types import TracebackType
 
 import trio
 from quart import Response
 from quart.wrappers.response import ResponseBody
 
-from tributary.engine import Output, RequestStream
-from tributary.engine.service_nursery import open_service_nursery
+from tributary.engine import Done, Error, Output, RequestStream
 
 __all__ = ["MultiplexedBody", "sse_response"]
+
+LOGGER = logging.getLogger("tributary.app.multiplex")
 
 # Proxies (nginx) buffer responses unless told otherwise; a buffered token stream is useless.
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -48,11 +56,19 @@ class MultiplexedBody(ResponseBody):
     def __init__(self, streams: Sequence[RequestStream]) -> None:
         self._streams = list(streams)
         self._send, self._recv = trio.open_memory_channel[tuple[int, Output]](math.inf)
-        self._nursery_cm = open_service_nursery()
-        self._nursery: trio.Nursery | None = None
+        self._unfinished = len(self._streams)
+        if not self._streams:
+            self._send.close()
+        for index, stream in enumerate(self._streams):
+            stream.redirect(partial(self._deliver, index))
 
     def on_item(self, index: int, item: Output) -> None:
-        """Called in the pump the moment the engine delivers `item` (for timing)."""
+        """Called the moment the engine delivers `item` (for timing). Must not block."""
+
+    @property
+    def exhausted(self) -> bool:
+        """Every stream has delivered its terminal item and every item has been taken."""
+        return self._unfinished == 0 and self._recv.statistics().current_buffer_used == 0
 
     async def next_backlog(self) -> list[tuple[int, Output]] | None:
         """Wait for at least one item; return all that are waiting, or None once every
@@ -67,11 +83,28 @@ class MultiplexedBody(ResponseBody):
             except (trio.WouldBlock, trio.EndOfChannel):
                 return backlog
 
+    def _deliver(self, index: int, item: Output) -> None:
+        # Runs in the engine's scheduler: never raise into it.
+        try:
+            self.on_item(index, item)
+        except Exception:
+            LOGGER.exception("on_item failed for item %d of a streamed response", index)
+        try:
+            self._send.send_nowait((index, item))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the body was left; close() has aborted what was unfinished
+        if isinstance(item, Done | Error):
+            self._unfinished -= 1
+            if self._unfinished == 0:
+                self._send.close()
+
+    def close(self) -> None:
+        """Abort every unfinished request and stop receiving. Synchronous and idempotent."""
+        for stream in self._streams:
+            stream.close()
+        self._recv.close()
+
     async def __aenter__(self) -> MultiplexedBody:
-        self._nursery = await self._nursery_cm.__aenter__()
-        async with self._send:
-            for index, stream in enumerate(self._streams):
-                self._nursery.start_soon(self._pump, index, stream, self._send.clone())
         return self
 
     # Quart types this as returning None; a context manager may return a bool.
@@ -81,14 +114,8 @@ class MultiplexedBody(ResponseBody):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        assert self._nursery is not None
-        # Cancel first: a pump blocked in receive must see Cancelled, not the
-        # ClosedResourceError that closing its stream under it would raise.
-        self._nursery.cancel_scope.cancel()
-        for stream in self._streams:
-            stream.close()
-        self._recv.close()
-        return await self._nursery_cm.__aexit__(exc_type, exc, tb)
+        self.close()
+        return None
 
     def __aiter__(self) -> MultiplexedBody:
         return self
@@ -96,11 +123,3 @@ class MultiplexedBody(ResponseBody):
     @abstractmethod
     async def __anext__(self) -> bytes:
         """The next chunk to send; subclasses render `next_backlog()`."""
-
-    async def _pump(
-        self, index: int, stream: RequestStream, send: trio.MemorySendChannel[tuple[int, Output]]
-    ) -> None:
-        async with send, stream:
-            async for item in stream:
-                self.on_item(index, item)
-                send.send_nowait((index, item))

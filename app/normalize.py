@@ -39,6 +39,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from quart import request
 
 from tributary.engine import BadRequest, GenerateRequest, LogprobRequest, SamplingParams
@@ -87,14 +88,18 @@ async def read_json_body() -> Any:
         # limit; RecursionError, nesting deeper than the parser's stack.
         reason = "it is nested too deeply" if isinstance(exc, RecursionError) else exc
         raise BadRequest(f"Invalid JSON in the request body: {reason}") from None
+    # JSON may spell unpaired UTF-16 surrogates ("\\ud800"), which are not Unicode: they
+    # would fail much later, when the response is encoded (a 500, or a cut stream). orjson
+    # refuses them fast; what else it refuses (integers beyond 64 bits) is checked slowly.
     try:
-        # JSON may spell unpaired UTF-16 surrogates ("\\ud800"), which are not Unicode: they
-        # would fail much later, when the response is encoded (a 500, or a cut stream).
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise BadRequest(
-            "Invalid JSON in the request body: a string holds an unpaired UTF-16 surrogate."
-        ) from None
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest(
+                "Invalid JSON in the request body: a string holds an unpaired UTF-16 surrogate."
+            ) from None
     return body
 
 

@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from quart import Response
 
 from tributary.engine import Done, FinishReason, Frame, Logprobs, TokenLogprob, TopLogprobs
@@ -40,9 +41,13 @@ __all__ = [
 ]
 
 
-def encode_json(obj: Any) -> str:
-    """Compact JSON in insertion order, as SGLang's orjson encoding."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def encode_json(obj: Any) -> bytes:
+    """Compact UTF-8 JSON in insertion order, encoded with orjson as SGLang does (so floats
+    read the same, and a non-finite float is null)."""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits, a non-string key
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -13,9 +13,10 @@ Each event is `data: <json>\\n\\n`; the stream ends with one `data: [DONE]\\n\\n
   terminal frame per item, empty, with an abort finish_reason carrying the status
   (`refused_stream_response`).
 
-Structure: `EventStreamBody` is a `MultiplexedBody` (app/multiplex.py): one pump task per
-item, each item's timing recorded the moment the engine delivers, and whatever backlog is
-waiting rendered as one chunk. Leaving the body early aborts every unfinished item.
+Structure: `EventStreamBody` is a `MultiplexedBody` (app/multiplex.py): each item's timing
+recorded the moment the engine delivers, whatever backlog is waiting rendered as one chunk,
+and `[DONE]` written with the last terminal frame. Leaving the body early aborts every
+unfinished item.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse_event(obj: Any) -> bytes:
-    return f"data: {encode_json(obj)}\n\n".encode()
+    return b"data: " + encode_json(obj) + b"\n\n"
 
 
 def event_stream_response(
@@ -127,8 +128,7 @@ class EventStreamBody(MultiplexedBody):
         weight_version: str,
         logprobs: Sequence[LogprobFormat | None] | None = None,
     ) -> None:
-        super().__init__(streams)
-        self._timings = [timing.for_item() for _ in streams]
+        self._timings = [timing.for_item() for _ in streams]  # before items are delivered
         self._accs = [
             OutputAccumulator(s.rid, s.prompt_tokens, weight_version=weight_version, logprobs=fmt)
             for s, fmt in zip(streams, logprobs or [None] * len(streams), strict=True)
@@ -136,6 +136,7 @@ class EventStreamBody(MultiplexedBody):
         self._batch = batch
         self._incremental = incremental
         self._ended = False
+        super().__init__(streams)
 
     def on_item(self, index: int, item: Output) -> None:
         timing = self._timings[index]
@@ -151,6 +152,9 @@ class EventStreamBody(MultiplexedBody):
                 self._ended = True
                 return DONE
             chunk = self._render(backlog)
+            if self.exhausted:  # the last terminal item: [DONE] goes in the same write
+                self._ended = True
+                return chunk + DONE
             if chunk:
                 return chunk
         raise StopAsyncIteration

@@ -92,8 +92,10 @@ class ServerSpec:
 #: after every streamed response without saying so (no `Connection: close`: its chunked content
 #: provider returns false after `sink.done()`, which cpp-httplib treats as a failed write), so a
 #: client that reuses the connection races the close and loses the next request to
-#: `RemoteProtocolError: Server disconnected` (2 of 20 sequential requests in a test). A fresh
-#: connection per request is what llama-server gets anyway; this only removes the race.
+#: `RemoteProtocolError: Server disconnected` (2 of 20 sequential requests in a test).
+#: `tributary bench` now resends such a request once on a new connection (and counts it as
+#: `retried`), but that still costs the failed attempt's round trip; a fresh connection per
+#: request is what llama-server gets anyway, so this measures it without the penalty.
 NO_KEEPALIVE_CLIENT = (
     "import sys, tributary.bench.runner as r; r.KEEPALIVE_EXPIRY = 0.0; "
     "from tributary.app.cli import main; sys.exit(main(sys.argv[1:]))"

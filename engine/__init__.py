@@ -38,6 +38,8 @@ from .request import Output as Output
 from .request import TokenLogprob as TokenLogprob
 from .request import TopLogprobs as TopLogprobs
 from .sampling import SamplingParams as SamplingParams
+from .stream import OutputSender as OutputSender
 from .stream import RequestStream as RequestStream
+from .stream import open_output_channel as open_output_channel
 
 __version__ = "0.1.0"

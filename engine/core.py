@@ -12,7 +12,6 @@ Synopsis::
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -31,14 +30,13 @@ from .request import (
     GenerateRequest,
     LogprobRequest,
     ModelInfo,
-    Output,
     abort_reason,
 )
 from .runners.base import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Sequence
 from .service_nursery import open_service_nursery
-from .stream import RequestStream
+from .stream import RequestStream, open_output_channel
 
 __all__ = ["Engine", "IdleReport", "open_engine"]
 
@@ -211,7 +209,7 @@ class Engine:
         if self._scheduler.queue_depth() >= self.config.max_queued_requests:
             raise QueueFull("The request queue is full.")  # SGLang's words; clients match them
         hooks = self._hooks(request, prompt_ids, rid)
-        sender, receiver = trio.open_memory_channel[Output](math.inf)
+        sender, receiver = open_output_channel(rid)
         special = not params.skip_special_tokens
         seq = Sequence(
             rid=rid,
@@ -237,6 +235,7 @@ class Engine:
             prompt_tokens=len(prompt_ids),
             receiver=receiver,
             abort=lambda: self._scheduler.mark_abort(seq, abort_reason()),
+            sender=sender,
         )
 
     def abort(

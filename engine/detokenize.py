@@ -38,8 +38,31 @@ __all__ = ["REGEX_BUDGET", "IncrementalDetokenizer"]
 #: Seconds all of one token's stop_regex searches may take together. They run on the event
 #: loop between steps, so a pattern that backtracks catastrophically (`(a|aa)+$`) must not
 #: stall everyone else: past this, its request ends with a 400 abort (SGLang aborts a request
-#: whose pattern fails).
+#: whose pattern fails). A search that timed out having used under half of it in CPU time
+#: was only descheduled, and is tried again (`_RegexBudget`), up to REGEX_ATTEMPTS timeouts.
 REGEX_BUDGET = 0.02
+REGEX_ATTEMPTS = 3
+
+
+class _RegexBudget:
+    """One token's REGEX_BUDGET for all its stop_regex searches. The regex engine's timeout is
+    wall-clock, so a search that ran out of time while the process was descheduled (a busy
+    machine) gets a fresh deadline; the budget is spent when the searches have used half of
+    it in CPU time, or after REGEX_ATTEMPTS timeouts."""
+
+    def __init__(self) -> None:
+        self._cpu_start = time.thread_time()
+        self._timeouts = 0
+        self.deadline = time.monotonic() + REGEX_BUDGET
+
+    def spent(self) -> bool:
+        """Called on a timeout: True if the request must end, else a fresh deadline is set."""
+        self._timeouts += 1
+        burned = time.thread_time() - self._cpu_start >= REGEX_BUDGET / 2
+        if burned or self._timeouts >= REGEX_ATTEMPTS:
+            return True
+        self.deadline = time.monotonic() + REGEX_BUDGET
+        return False
 
 
 class IncrementalDetokenizer:
@@ -86,17 +109,21 @@ class IncrementalDetokenizer:
                 pos = self.text.find(stop, max(self._emitted, old_len - len(stop) + 1))
                 if pos >= 0 and (best is None or pos < best[0]):
                     best = (pos, pos + len(stop), stop)
-        deadline = time.monotonic() + REGEX_BUDGET
+        budget = _RegexBudget()
         for i, pattern in enumerate(self._regexes):
-            try:
-                match, self._regex_from[i] = _scan(
-                    pattern, self.text, self._regex_from[i], self._checked_from, deadline
-                )
-            except TimeoutError:
-                raise BadRequest(
-                    f"stop_regex took more than {REGEX_BUDGET} s on one token (pattern "
-                    f"{pattern.pattern!r}: catastrophic backtracking?); the request was stopped."
-                ) from None
+            while True:
+                try:
+                    match, self._regex_from[i] = _scan(
+                        pattern, self.text, self._regex_from[i], self._checked_from, budget.deadline
+                    )
+                    break
+                except TimeoutError:
+                    if budget.spent():
+                        raise BadRequest(
+                            f"stop_regex took more than {REGEX_BUDGET} s on one token (pattern "
+                            f"{pattern.pattern!r}: catastrophic backtracking?); the request "
+                            "was stopped."
+                        ) from None
             if match is not None and (best is None or match.start() < best[0]):
                 best = (match.start(), match.end(), pattern.pattern)
         if best is None:

@@ -44,6 +44,7 @@ from .request import (
 )
 from .runners.base import Runner, SeqStep
 from .sampling import SamplingParams
+from .stream import OutputSender
 
 __all__ = ["Scheduler", "Sequence"]
 
@@ -62,7 +63,7 @@ class Sequence:
         max_new_tokens: int,
         stream_interval: int,
         detokenizer: IncrementalDetokenizer,
-        sender: trio.MemorySendChannel[Output],
+        sender: OutputSender,
         hooks: LogitHooks | None = None,
     ) -> None:
         self.rid = rid
@@ -82,11 +83,7 @@ class Sequence:
         self.finished = False
 
     def send(self, item: Output) -> None:
-        try:
-            self.sender.send_nowait(item)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            # The consumer left; its RequestStream has already marked us aborted.
-            pass
+        self.sender.send(item)
 
     @property
     def scores_prompt(self) -> bool:

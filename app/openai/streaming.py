@@ -2,8 +2,8 @@
 
 Each event is `data: <chunk json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. What a
 chunk holds is the endpoint's business (`ChunkRenderer`); the plumbing is `/generate`'s
-`MultiplexedBody` (app/multiplex.py): one pump task per choice, and whatever backlog is
-waiting rendered as one write.
+`MultiplexedBody` (app/multiplex.py): whatever backlog is waiting rendered as one write,
+and the end (usage chunk, `[DONE]`) written with the last choice's final chunk.
 
 `--incremental-streaming-output` does not apply: OpenAI clients concatenate deltas, so `/v1`
 always sends deltas (as SGLang does).
@@ -11,7 +11,7 @@ always sends deltas (as SGLang does).
 Failures: the first `Error` item (or an abort carrying a status code) becomes one
 `{"error": {...}}` event followed by `[DONE]`, and the other choices are aborted; the
 `openai` client raises it as an `APIError`. Leaving the body early (client gone: `Cancelled`,
-or `GeneratorExit`) cancels the pumps and aborts every unfinished request synchronously.
+or `GeneratorExit`) aborts every unfinished request synchronously.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def chunk_stream_response(streams: Sequence[RequestStream], renderer: ChunkRende
 
 class ChunkStreamBody(MultiplexedBody):
     def __init__(self, streams: Sequence[RequestStream], renderer: ChunkRenderer) -> None:
-        super().__init__(streams)
         self._renderer = renderer
         self._choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
         self._ended = False
+        super().__init__(streams)
 
     async def __anext__(self) -> bytes:
         while not self._ended:
@@ -67,6 +67,9 @@ class ChunkStreamBody(MultiplexedBody):
                     return self._events([*chunks, openai_error_object(failure)]) + DONE
                 assert not isinstance(item, Error)  # add() reports every Error as a failure
                 chunks.extend(self._renderer.on_output(index, item, choice))
+            if self.exhausted:  # the last terminal item: the end goes in the same write
+                self._ended = True
+                return self._events([*chunks, *self._renderer.on_end(self._choices)]) + DONE
             if chunks:
                 return self._events(chunks)
         raise StopAsyncIteration

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -134,19 +133,23 @@ class ScriptedEngine:
         self.capacity = self.config.max_running_requests + self.config.max_queued_requests
         self.script = script
         self.requests: list[GenerateRequest] = []
-        self.senders: list[trio.MemorySendChannel[Output]] = []
+        self.senders: list[engine.OutputSender] = []
         self.aborted: list[str] = []
 
     def submit(self, request: GenerateRequest) -> engine.RequestStream:
         i = len(self.requests)
         rid = request.rid or f"scripted-{i}"
-        send, recv = trio.open_memory_channel[Output](math.inf)
+        send, recv = engine.open_output_channel(rid)
         self.requests.append(request)
         self.senders.append(send)
         for item in self.script(i, rid) if self.script else []:
-            send.send_nowait(item)
+            send.send(item)
         return engine.RequestStream(
-            rid=rid, prompt_tokens=3, receiver=recv, abort=lambda: self.aborted.append(rid)
+            rid=rid,
+            prompt_tokens=3,
+            receiver=recv,
+            abort=lambda: self.aborted.append(rid),
+            sender=send,
         )
 
     def stats(self) -> EngineStats:

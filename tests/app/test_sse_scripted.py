@@ -170,7 +170,7 @@ async def test_27_cumulative_backlog_coalesces() -> None:
         first = parse_sse((await body.__anext__()).decode())
         assert [e["text"] for e in first] == ["abc"]  # three queued frames, one event
         assert first[0]["meta_info"]["completion_tokens"] == 3
-        eng.senders[0].send_nowait(BACKLOG[3])
+        eng.senders[0].send(BACKLOG[3])
         rest = b"".join([chunk async for chunk in body])
     events = parse_sse(rest.decode())
     assert events[0]["text"] == "abcd" and events[0]["meta_info"]["finish_reason"]["length"] == 4

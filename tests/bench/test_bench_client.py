@@ -316,3 +316,71 @@ def documented_keys() -> set[str]:
         literal = [[p[0]] if i % 2 == 0 else p for i, p in enumerate(parts)]
         keys.update("".join(combo) for combo in itertools.product(*literal))
     return keys
+
+
+async def serve_closing_after_each_stream(
+    listener: trio.SocketListener, *, answer_every: bool
+) -> None:
+    """llama-server's habit: one streamed response per connection, then the connection is
+    dropped without `Connection: close`. The next request sent on it is read and dropped,
+    so the client sees the connection end before any reply (`answer_every=False`: even a
+    fresh connection's request is dropped)."""
+    sse = 'data: {"choices":[{"text":"ok","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    chunked = f"{len(sse):x}\r\n{sse}\r\n0\r\n\r\n".encode()
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(65536)
+            head, _, rest = data.partition(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+            while len(rest) < length:
+                rest += await stream.receive_some(65536)
+            if answer_every:
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n" + chunked
+                )
+                # Keep the connection open long enough for the client to pool and reuse it,
+                # then read its next request and drop the connection without a reply.
+                await stream.receive_some(65536)
+
+    await trio.serve_listeners(handle, [listener])
+
+
+@pytest.mark.parametrize("answer_every", [True, False])
+async def test_a_request_on_a_connection_the_server_dropped_is_resent_once(
+    answer_every: bool,
+) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: serve_closing_after_each_stream(listeners[0], answer_every=answer_every)
+        )
+        backend = Backend(
+            kind="openai",
+            base_url=f"http://127.0.0.1:{port}",
+            endpoint="/v1/completions",
+            output_len=1,
+            model="m",
+        )
+        records = [RequestRecord(index=i, prompt_tokens=1) for i in range(4)]
+        async with httpx.AsyncClient() as client:
+            for record in records:  # one after the other, on one pooled connection
+                await send_request(client, backend, Prompt("hi", 1), record)
+        nursery.cancel_scope.cancel()
+    if answer_every:
+        # Every request after the first found its pooled connection dropped, was resent on a
+        # new one, and completed; the resend is counted, never hidden.
+        assert [(r.ok, r.text, r.retries) for r in records] == [
+            (True, "ok", 0),
+            (True, "ok", 1),
+            (True, "ok", 1),
+            (True, "ok", 1),
+        ]
+    else:
+        # A server that drops every request: one resend each, then a counted failure.
+        assert all(not r.ok and r.retries == 1 for r in records)
+        assert all("without sending a response" in (r.error or "") for r in records)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
+import pytest
 import regex  # type: ignore[import-untyped]
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tributary.engine import BadRequest, detokenize
 from tributary.engine.detokenize import IncrementalDetokenizer
 
 
@@ -250,3 +253,35 @@ def test_regex_deltas_add_up_with_min_new_tokens(
         assert m is not None and m.end() > len("".join(pieces[:min_new_tokens]))
     for n in range(len(deltas)):
         assert text.startswith("".join(deltas[:n]))
+
+
+def test_a_regex_search_that_was_only_descheduled_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The regex engine's timeout is wall-clock: on a busy machine a trivial search can run
+    out of time without using any CPU. That must not end the request (it did, with a 400,
+    when the test suite ran beside other work); only a search that burns the CPU budget
+    does (test_logit_hooks: catastrophic backtracking)."""
+    real_scan = detokenize._scan
+    timeouts = iter([True, True])  # the first two searches "time out", idle
+
+    def descheduled_scan(*args: Any) -> Any:
+        if next(timeouts, False):
+            raise TimeoutError
+        return real_scan(*args)
+
+    monkeypatch.setattr(detokenize, "_scan", descheduled_scan)
+    _, matched, text = feed_pieces(["The year ", "was 19", "84."], (r"\d{4}",))
+    assert matched == r"\d{4}"
+    assert text == "The year was "
+
+
+def test_a_search_descheduled_every_time_still_ends_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def always_late(*args: Any) -> Any:
+        raise TimeoutError
+
+    monkeypatch.setattr(detokenize, "_scan", always_late)
+    with pytest.raises(BadRequest, match="stop_regex took more than"):
+        feed_pieces(["a", "b"], (r"\d",))

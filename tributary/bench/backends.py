@@ -99,6 +99,15 @@ class Backend:
         return OpenAIStream(record, chat=self.chat)
 
 
+#: Resends of a request whose kept-alive connection turned out closed before any reply.
+MAX_RETRIES = 1
+
+
+def _closed_before_reply(exc: httpx.RemoteProtocolError) -> bool:
+    """httpx's words for a connection that ended before a response began."""
+    return "without sending a response" in str(exc)
+
+
 async def send_request(
     client: httpx.AsyncClient,
     backend: Backend,
@@ -117,15 +126,26 @@ async def send_request(
     try:
         with deadline:
             record.start = time.perf_counter()
-            async with client.stream(
-                "POST", backend.url, json=body, headers=backend.headers
-            ) as response:
-                if response.status_code != 200:
-                    raise StreamFailure(http_error(response.status_code, await response.aread()))
-                async for line in response.aiter_lines():
-                    if line.startswith("data:"):
-                        parser.on_data(line[5:].strip(), time.perf_counter())
-                record.e2e_latency = time.perf_counter() - record.start
+            while True:
+                try:
+                    async with client.stream(
+                        "POST", backend.url, json=body, headers=backend.headers
+                    ) as response:
+                        if response.status_code != 200:
+                            reply = await response.aread()
+                            raise StreamFailure(http_error(response.status_code, reply))
+                        async for line in response.aiter_lines():
+                            if line.startswith("data:"):
+                                parser.on_data(line[5:].strip(), time.perf_counter())
+                    break
+                except httpx.RemoteProtocolError as exc:
+                    # A kept-alive connection the server had closed (llama-server closes after
+                    # every stream without saying so): the request never reached it. Send it
+                    # again on a new connection, once, as browsers and urllib3 do.
+                    if not _closed_before_reply(exc) or record.retries >= MAX_RETRIES:
+                        raise
+                    record.retries += 1
+            record.e2e_latency = time.perf_counter() - record.start
         parser.finish()
         record.ok = True
     except StreamFailure as exc:

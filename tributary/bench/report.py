@@ -110,6 +110,9 @@ def summarize(
         "completed": len(done),
         "failed": len(records) - len(done),
         "failure_reasons": _reasons(records),
+        # Resent on a new connection after a kept-alive one was found closed (counted, and
+        # their time includes the failed attempt).
+        "retried": sum(r.retries for r in records),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "output_tokens_source": dict(Counter(r.output_tokens_source for r in done)),
@@ -179,6 +182,7 @@ def _request(r: RequestRecord, run_start: float) -> dict[str, Any]:
         "ttft": r.ttft,
         "e2e_latency": r.e2e_latency,
         "server_e2e_latency": r.server_e2e_latency,
+        "retries": r.retries,
         "itl": r.itl,
     }
 
@@ -213,6 +217,8 @@ def render_table(result: Result) -> str:
     row("Prompts (input, output tokens)", f"{result['input_len']}, {result['output_len']}")
     row("Completed requests", result["completed"])
     row("Failed requests", result["failed"])
+    if result.get("retried"):
+        row("Resent (connection closed by server)", result["retried"])
     row("Duration (s)", result["duration"])
     row("Total input tokens", result["total_input_tokens"])
     sources = ", ".join(f"{k} {v}" for k, v in result["output_tokens_source"].items())

@@ -55,6 +55,8 @@ class RequestRecord:
     #: The server's `meta_info.e2e_latency` (generate backend only).
     server_e2e_latency: float | None = None
     text: str = ""
+    #: Times it was sent again because its kept-alive connection had been closed unannounced.
+    retries: int = 0
 
 
 class StreamFailure(Exception):

@@ -1,0 +1,110 @@
+"""`RequestStream.redirect`: the engine hands items to a sink at the moment it produces them
+(how a streamed response takes a batch's items without a task per item), on the sim runner
+under Trio's autojump clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from tributary import engine, testing
+from tributary.engine import Done, Error, Frame, GenerateRequest, SamplingParams, SimLatency
+
+LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
+
+pytestmark = pytest.mark.tributary_config(sim_latency=LAT)
+
+
+def request(text: str = "hello", max_new_tokens: int = 4) -> GenerateRequest:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    return GenerateRequest(text=text, sampling=SamplingParams.from_dict(params))
+
+
+def step_cost(decoding: int = 0, prefill: int = 0) -> float:
+    return testing.step_time(LAT, decoding=decoding, prefill=prefill)
+
+
+async def test_sink_sees_each_item_when_the_engine_produces_it(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    start = trio.current_time()
+    seen: list[tuple[float, engine.Output]] = []
+    ended = trio.Event()
+
+    def sink(item: engine.Output) -> None:
+        seen.append((trio.current_time() - start, item))
+        if isinstance(item, Done | Error):
+            ended.set()
+
+    stream = tributary_engine.submit(request("hello", max_new_tokens=3))
+    stream.redirect(sink)
+    await ended.wait()
+    first = step_cost(prefill=5)
+    assert [t for t, _ in seen] == pytest.approx(
+        [first, first + step_cost(1), first + 2 * step_cost(1)]
+    )
+    assert [type(i) for _, i in seen] == [Frame, Frame, Done]
+    assert [tok for _, i in seen for tok in i.output_ids] != []
+    # Redirected, the stream is no longer iterated; closing it after the terminal item is
+    # not an abort.
+    assert [item async for item in stream] == []
+    stream.close()
+    testing.assert_engine_idle(tributary_engine)
+
+
+async def test_items_waiting_before_the_redirect_come_first_in_order(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    reference = [item async for item in tributary_engine.submit(request("abc", 6))]
+    stream = tributary_engine.submit(request("abc", 6))
+    # Let two steps' items queue on the stream before redirecting it.
+    await trio.sleep(step_cost(prefill=3) + step_cost(1) + 0.0001)
+    seen: list[engine.Output] = []
+    stream.redirect(seen.append)
+    assert len(seen) == 2  # delivered during redirect, synchronously
+    await testing.wait_engine_idle(tributary_engine)
+    assert [(type(i), i.output_ids) for i in seen] == [(type(i), i.output_ids) for i in reference]
+
+
+async def test_closing_a_redirected_stream_before_its_end_aborts_it(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    stream = tributary_engine.submit(request("abc", 1000))
+    seen: list[engine.Output] = []
+    stream.redirect(seen.append)
+    await trio.sleep(step_cost(prefill=3) + 3 * step_cost(1))
+    assert seen and not stream.finished
+    stream.close()
+    # The abort takes effect at the next step boundary; its Done reaches nobody.
+    await testing.wait_engine_idle(tributary_engine, timeout=step_cost(1) * 2)
+    assert all(isinstance(i, Frame) for i in seen)
+
+
+async def test_a_truncated_redirected_stream_ends_with_an_error() -> None:
+    sender, receiver = engine.open_output_channel("r1")
+    aborted: list[str] = []
+    stream = engine.RequestStream(
+        rid="r1",
+        prompt_tokens=1,
+        receiver=receiver,
+        abort=lambda: aborted.append("r1"),
+        sender=sender,
+    )
+    frame = Frame("r1", "a", [1], 1, 1, 0)
+    sender.send(frame)
+    seen: list[engine.Output] = []
+    stream.redirect(seen.append)
+    sender.close()  # no Done or Error: a producer bug, reported rather than hidden
+    assert seen[0] is frame
+    assert isinstance(seen[1], Error)
+    assert isinstance(seen[1].error, engine.RequestTruncated)
+    stream.close()
+    assert aborted == []  # the stream ended (with an error): nothing left to abort
+
+
+async def test_a_stream_without_its_sender_cannot_be_redirected() -> None:
+    _, receiver = trio.open_memory_channel[engine.Output](1)
+    stream = engine.RequestStream(rid="r", prompt_tokens=1, receiver=receiver, abort=lambda: None)
+    with pytest.raises(TypeError, match="without its sender"):
+        stream.redirect(lambda item: None)
