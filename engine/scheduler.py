@@ -366,13 +366,18 @@ class Scheduler:
 
     def _fail_step(self, plan: list[SeqStep], exc: Exception) -> None:
         """A failed forward pass leaves its sequences' KV in an unknown state: fail exactly
-        those (with a 500); sequences that were not in the step carry on."""
+        those (with a 500); sequences that were not in the step carry on. A sequence aborted
+        while the step ran ends with its abort (a shutdown's 503, a client's plain abort):
+        its client asked for that ending before the failure, and it lost no output to it."""
         error = exc if isinstance(exc, EngineError) else RunnerFailure(f"runner failed: {exc!r}")
         slots = {step.seq_id for step in plan}
         failed = [seq for seq in self.running if seq.slot in slots]
         LOGGER.error("runner step failed; failing its %d sequences", len(failed), exc_info=exc)
         for seq in failed:
-            self._fail(seq, error)
+            if seq.abort is not None:
+                self._finish(seq, seq.abort)
+            else:
+                self._fail(seq, error)
 
     def _fail(self, seq: Sequence, error: EngineError) -> None:
         self._release(seq)

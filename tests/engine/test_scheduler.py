@@ -10,12 +10,14 @@ engine open their own.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import AsyncIterator
 
 import pytest
 import trio
+import trio.testing
 
 from tributary import engine, testing
 from tributary.engine import (
@@ -373,6 +375,29 @@ async def test_runner_failure_spares_sequences_outside_the_failed_step(
     spared = (await collect(waiting_for_budget))[-1][1]
     assert isinstance(failed, Error) and failed.error.http_status == 500
     assert isinstance(spared, Done) and spared.completion_tokens == 4
+
+
+@pytest.mark.tributary_config(sim_fail_at_step=2)
+async def test_an_abort_in_a_failing_step_keeps_its_own_status(
+    tributary_engine: engine.Engine,
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A request aborted (here with a status, as a graceful shutdown does) while the step it
+    is in fails gets its abort, not the step's 500; the other sequence in that step fails."""
+    eng = tributary_engine
+    aborted = eng.submit(dataclasses.replace(request(max_new_tokens=50), rid="a"))
+    other = eng.submit(dataclasses.replace(request(max_new_tokens=50), rid="b"))
+    assert isinstance(await aborted.__anext__(), Frame)  # step 1 committed
+    await trio.testing.wait_all_tasks_blocked()  # the scheduler is inside step 2 now
+    assert eng._runner.steps == 2  # type: ignore[attr-defined]
+    eng.abort("a", message="The server is shutting down.", status_code=503)
+    last = (await collect(aborted))[-1][1]
+    failed = (await collect(other))[-1][1]
+    assert isinstance(last, Done), last
+    assert last.finish_reason["status_code"] == 503
+    assert last.finish_reason["message"] == "The server is shutting down."
+    assert isinstance(failed, Error) and failed.error.http_status == 500
+    await testing.wait_engine_idle(eng)
 
 
 async def test_parallel_samples_are_the_callers_to_expand(
