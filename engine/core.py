@@ -83,7 +83,8 @@ async def open_runner(config: EngineConfig) -> Runner:
     if config.runner == "llama":
         from .runners.llama import LlamaRunner, compute_thread
 
-        return await compute_thread().run(LlamaRunner.load, config)
+        # A model loaded after its caller left (Ctrl-C during the load) is freed, not leaked.
+        return await compute_thread().run(LlamaRunner.load, config, orphan=LlamaRunner.close)
     if config.runner == "sim":
         from .runners.sim import SimRunner
 
