@@ -148,6 +148,11 @@ class Engine:
     def stats(self) -> EngineStats:
         return self._scheduler.stats()
 
+    def slowest_recent_step(self) -> float:
+        """Seconds the slowest of the recent steps took (0 before the first step): how long
+        an abort may wait for the step boundary that acts on it."""
+        return max(self._scheduler.step_times, default=0.0)
+
     def idle_report(self) -> IdleReport:
         """What the engine still holds for requests, for leak checks in tests: every field is
         zero or empty once every request has ended and its sequence has been reaped. An

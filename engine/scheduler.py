@@ -135,6 +135,11 @@ class Sequence:
         return len(self.prompt_ids), len(self.output_ids), 0
 
 
+#: Steps over which `Scheduler.step_times` remembers how long a step takes: enough to
+#: include the last long prefill chunk of a busy engine, short enough to forget a past burst.
+STEP_WINDOW = 64
+
+
 class Scheduler:
     def __init__(self, runner: Runner, config: EngineConfig, *, kv_total_cells: int) -> None:
         self.runner = runner
@@ -151,6 +156,8 @@ class Scheduler:
         self._on_finish: list[Callable[[Sequence], None]] = []
         self.steps = 0
         self.generated_tokens = 0
+        #: Seconds the last STEP_WINDOW steps took on the runner (failed ones included).
+        self.step_times: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
 
     # -- called from other tasks (synchronous, never blocks) ----------------------------
 
@@ -210,11 +217,14 @@ class Scheduler:
                     self._wakeup = trio.Event()
                     continue
                 plan, sampling, stepped = self._plan()
+                started = trio.current_time()
                 try:
                     sampled = await self.runner.step(plan)
                 except Exception as exc:
                     self._fail_step(plan, exc)
                     continue
+                finally:
+                    self.step_times.append(trio.current_time() - started)
                 self.steps += 1
                 self._commit(sampling, sampled, stepped)
         finally:
