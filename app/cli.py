@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graceful-timeout", type=float, default=http.graceful_timeout)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key that /abort_request and /flush_cache need (--api-key no longer opens them)",
+    )
+    p.add_argument(
         "--log-level", default=http.log_level, choices=["debug", "info", "warning", "error"]
     )
     bench_cli.add_arguments(
@@ -94,6 +99,7 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         weight_version=args.weight_version,
         graceful_timeout=args.graceful_timeout,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         log_level=args.log_level,
     )
     return engine_config, settings

@@ -35,6 +35,10 @@ class ServerSettings:
     #: When set, every request except `/health*` must send `Authorization: Bearer <key>`
     #: (SGLang's --api-key); others get 401.
     api_key: str | None = None
+    #: When set, the routes that change server state (`admin.ADMIN_PATHS`: `/abort_request`,
+    #: `/flush_cache`) need `Authorization: Bearer <admin key>`; `api_key` no longer opens
+    #: them. The admin key also opens every route `api_key` guards.
+    admin_api_key: str | None = None
     #: Logged by `tributary serve`; the library never configures logging itself.
     log_level: str = "info"
 

@@ -71,8 +71,8 @@ class Unauthorized(EngineError):
     http_status = 401
     err_type = "authentication_error"
 
-    def __init__(self) -> None:
-        super().__init__("Incorrect API key provided.")
+    def __init__(self, message: str = "Incorrect API key provided.") -> None:
+        super().__init__(message)
 
 
 class StatusError(EngineError):
