@@ -30,6 +30,7 @@ from .admin import ADMIN_PATHS, admin_blueprint
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
 from .errors import engine_error_response, error_response
 from .generate import handle_generate
+from .limits import TIMEOUT_HEADER, Deadline
 from .normalize import read_json_body
 from .openai import openai_blueprint
 from .openai.errors import StatusError, Unauthorized, openai_error_response
@@ -51,6 +52,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     app = QuartTrio("tributary")
     # Streams disable the timeout per response too; unary generations can be long as well.
     app.config["RESPONSE_TIMEOUT"] = None
+    # Checked as the body arrives, before it is buffered whole (limits.py).
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     state = ServerState(engine, settings)
     state.attach(app)
     app.asgi_app = ShieldFinalSend(CloseOwned(app.asgi_app))  # type: ignore[method-assign, assignment]
@@ -84,8 +87,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
 
     @app.route("/generate", methods=["POST", "PUT"])
     async def generate() -> Response:
-        body = await read_json_body()
-        return await handle_generate(engine, settings, body, owned_by_request(request.scope))
+        deadline = Deadline.for_request(settings, request.headers.get(TIMEOUT_HEADER))
+        with deadline.applied():
+            body = await read_json_body()
+        owned = owned_by_request(request.scope)
+        return await handle_generate(engine, settings, body, owned, deadline=deadline)
 
     # Errors of requests that no blueprint routed (unknown /v1 paths, wrong methods, a missing
     # API key there) reach these app-level handlers: under /v1 they answer in OpenAI's error

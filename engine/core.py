@@ -243,6 +243,7 @@ class Engine:
             prompt_tokens=len(prompt_ids),
             receiver=receiver,
             abort=lambda: self._scheduler.mark_abort(seq, abort_reason()),
+            abort_with=lambda reason: self._scheduler.mark_abort(seq, reason),
         )
 
     def abort(

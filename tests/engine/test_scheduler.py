@@ -400,6 +400,34 @@ async def test_an_abort_in_a_failing_step_keeps_its_own_status(
     await testing.wait_engine_idle(eng)
 
 
+async def test_a_stream_deadline_ends_it_at_the_deadline_with_a_408_abort(
+    tributary_engine: engine.Engine,
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The deadline is exact (mid-step: here a prefill chunk of 256 tokens takes 0.28 s), the
+    stream ends with the 408 abort and the counts so far, the sequence is freed by the next
+    step boundary, and a request beside it carries on."""
+    eng = tributary_engine
+    start = trio.current_time()
+    late = eng.submit(request("x" * 2000, max_new_tokens=10))
+    beside = eng.submit(request("hello", max_new_tokens=3))
+    late.set_deadline(start + 0.1, message="Request timed out after 0.1 s.")
+    items = await collect(late)
+    at, last = items[-1]
+    assert at == pytest.approx(start + 0.1)
+    assert isinstance(last, Done)
+    assert last.finish_reason == {
+        "type": "abort",
+        "message": "Request timed out after 0.1 s.",
+        "status_code": 408,
+        "err_type": "timeout",
+    }
+    assert (last.prompt_tokens, last.completion_tokens) == (2000, 0)
+    done = (await collect(beside))[-1][1]
+    assert isinstance(done, Done) and done.completion_tokens == 3
+    await testing.wait_engine_idle(eng)
+
+
 async def test_parallel_samples_are_the_callers_to_expand(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:
