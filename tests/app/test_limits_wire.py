@@ -1,7 +1,7 @@
 """`--max-request-bytes` over real sockets: a declared Content-Length past the limit and a
 chunked body that grows past it both get a 413 in the error shape while the client is still
-sending (the rest of the body is never needed), and the server keeps serving. A request
-whose body has not arrived by its deadline gets a 408."""
+sending (the rest of the body is never needed), the connection is closed, and the server
+keeps serving. A request whose body has not arrived by its deadline gets a 408."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ TOO_LARGE = {
 }
 
 
+async def assert_closed(stream: trio.SocketStream) -> None:
+    """The server closed the connection (the rest of the refused body is never read)."""
+    with trio.fail_after(ANSWER_WITHIN):
+        assert await stream.receive_some() == b""
+
+
 async def assert_still_serving(url: str) -> None:
     async with httpx.AsyncClient(base_url=url) as client:
         assert (await client.get("/health")).status_code == 200
@@ -77,6 +83,7 @@ async def test_a_declared_content_length_past_the_limit_is_refused_before_the_bo
                 head = request_head(path, f"Content-Length: {100 * 1024 * 1024}")
                 await stream.send_all(head + b'{"text": "' + b"x" * 1024)
                 status, _, body = await read_response(stream)
+                await assert_closed(stream)
             assert status == 413
             if path == "/generate":
                 assert body == TOO_LARGE
@@ -95,6 +102,7 @@ async def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit() -> Non
             for _ in range(LIMIT // len(piece) + 1):  # just past the limit, never the end
                 await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
             status, _, body = await read_response(stream)
+            await assert_closed(stream)
         assert (status, body) == (413, TOO_LARGE)
         await assert_still_serving(url)
 
