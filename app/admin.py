@@ -32,9 +32,14 @@ from .normalize import read_json_body
 from .output import json_response
 from .state import ServerState
 
-__all__ = ["admin_blueprint", "version"]
+__all__ = ["ADMIN_PATHS", "admin_blueprint", "version"]
 
 LOGGER = logging.getLogger("tributary.app")
+
+#: Routes that change what the server is doing (not only read it or generate): with
+#: `--admin-api-key` only that key opens them. A new state-changing route belongs here
+#: (tests/app/test_admin_auth.py fails for an unclassified one).
+ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
 
 
 def version() -> str:
@@ -87,7 +92,9 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
             {
                 **dataclasses.asdict(engine.config),
                 **dataclasses.asdict(settings),
-                "api_key": "***" if settings.api_key else None,  # never echo a secret
+                # Never echo a secret.
+                "api_key": "***" if settings.api_key else None,
+                "admin_api_key": "***" if settings.admin_api_key else None,
                 "port": _bound_port(state.urls) or settings.port,
                 "urls": state.urls,
                 "model_path": info.path,

@@ -64,7 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--weight-version", default=http.weight_version)
     p.add_argument("--graceful-timeout", type=float, default=http.graceful_timeout)
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take; past it a 408 (default: no limit)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=http.max_request_bytes,
+        help="largest request body accepted; larger ones get a 413",
+    )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key that /abort_request and /flush_cache need (--api-key no longer opens them)",
+    )
     p.add_argument(
         "--log-level", default=http.log_level, choices=["debug", "info", "warning", "error"]
     )
@@ -93,7 +110,10 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         incremental_streaming_output=args.incremental_streaming_output,
         weight_version=args.weight_version,
         graceful_timeout=args.graceful_timeout,
+        request_timeout=args.request_timeout,
+        max_request_bytes=args.max_request_bytes,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         log_level=args.log_level,
     )
     return engine_config, settings

@@ -20,6 +20,7 @@ from tributary.engine import Done, Engine, Error, GenerateRequest, QueueFull, Re
 
 from .asgi import Closeable
 from .errors import abort_status, error_object
+from .limits import Deadline
 from .normalize import normalize_generate
 from .output import LogprobFormat, OutputAccumulator, json_response
 from .settings import ServerSettings
@@ -29,8 +30,11 @@ from .timing import RequestTiming
 __all__ = ["drain_batch", "drain_unary", "handle_generate", "submit_all"]
 
 
-def submit_all(engine: Engine, items: Sequence[GenerateRequest]) -> list[RequestStream]:
-    """Submit every item before any is drained, so the scheduler batches them.
+def submit_all(
+    engine: Engine, items: Sequence[GenerateRequest], deadline: Deadline | None = None
+) -> list[RequestStream]:
+    """Submit every item before any is drained, so the scheduler batches them; each stream
+    ends by `deadline` (a 408 abort) if one is given.
 
     All or nothing: if one submit raises (bad input, duplicate rid, QueueFull, ...), the items
     already submitted are aborted and the error propagates.
@@ -43,6 +47,8 @@ def submit_all(engine: Engine, items: Sequence[GenerateRequest]) -> list[Request
         for stream in streams:
             stream.close()
         raise
+    if deadline is not None:
+        deadline.bound(streams)
     return streams
 
 
@@ -100,9 +106,18 @@ async def drain_batch(
 
 
 async def handle_generate(
-    engine: Engine, settings: ServerSettings, body: Any, cleanup: list[Closeable]
+    engine: Engine,
+    settings: ServerSettings,
+    body: Any,
+    cleanup: list[Closeable],
+    *,
+    deadline: Deadline | None = None,
 ) -> Response:
-    """Raises `engine.EngineError` for anything wrong before the first byte."""
+    """Raises `engine.EngineError` for anything wrong before the first byte.
+
+    `deadline` covers the whole request: an item still generating when it passes is aborted
+    and reported as a 408 (a unary request's status; a batch item's entry, beside the items
+    that finished; a stream's error item)."""
     req = normalize_generate(
         body,
         vocab_size=engine.model_info.vocab_size,
@@ -111,7 +126,7 @@ async def handle_generate(
     timing = RequestTiming.start()
     weight_version = settings.weight_version
     try:
-        streams = submit_all(engine, req.items)
+        streams = submit_all(engine, req.items, deadline)
     except QueueFull as exc:
         if not req.stream:
             raise  # SGLang's 503 (errors.engine_error_response)

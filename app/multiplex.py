@@ -72,11 +72,21 @@ class MultiplexedBody(ResponseBody):
 
     async def next_backlog(self) -> list[tuple[int, Output]] | None:
         """Wait for at least one item; return all that are waiting, or None once every
-        stream has ended."""
+        stream has ended. A stream with a deadline (`RequestStream.set_deadline`) that
+        passes meanwhile ends there with its 408 `Done`."""
+        deadline = min((s.deadline for s in self._streams if not s.finished), default=math.inf)
         try:
-            backlog = [await self._recv.receive()]
+            if deadline == math.inf:
+                return self._drain([await self._recv.receive()])
+            with trio.move_on_at(deadline):
+                return self._drain([await self._recv.receive()])
+            for stream in self._streams:
+                stream.time_out()  # each unfinished one hands us its 408 Done
+            return self._drain([await self._recv.receive()])
         except trio.EndOfChannel:
             return None
+
+    def _drain(self, backlog: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
         while True:
             try:
                 backlog.append(self._recv.receive_nowait())

@@ -41,8 +41,11 @@ from typing import Any
 
 import orjson
 from quart import request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from tributary.engine import BadRequest, GenerateRequest, LogprobRequest, SamplingParams
+
+from .limits import RequestTooLarge
 
 __all__ = ["NormalizedGenerate", "bool_field", "normalize_generate", "read_json_body"]
 
@@ -79,8 +82,12 @@ _NO_PROMPT = "Either text, input_ids or input_embeds should be provided."
 
 async def read_json_body() -> Any:
     """The current request's body as JSON; anything that is not usable JSON is a
-    `BadRequest` (400), never a 500 later on."""
-    data = await request.get_data(as_text=False)
+    `BadRequest` (400), never a 500 later on; a body past the size limit, `RequestTooLarge`
+    (413), raised as soon as it passes the limit."""
+    try:
+        data = await request.get_data(as_text=False)
+    except RequestEntityTooLarge:
+        raise RequestTooLarge(request.max_content_length) from None
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as exc:

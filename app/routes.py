@@ -26,10 +26,11 @@ from werkzeug.exceptions import HTTPException
 
 from tributary.engine import Engine, EngineClosed, EngineError
 
-from .admin import admin_blueprint
+from .admin import ADMIN_PATHS, admin_blueprint
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
 from .errors import engine_error_response, error_response
 from .generate import handle_generate
+from .limits import TIMEOUT_HEADER, Deadline
 from .normalize import read_json_body
 from .openai import openai_blueprint
 from .openai.errors import StatusError, Unauthorized, openai_error_response
@@ -51,6 +52,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     app = QuartTrio("tributary")
     # Streams disable the timeout per response too; unary generations can be long as well.
     app.config["RESPONSE_TIMEOUT"] = None
+    # Checked as the body arrives, before it is buffered whole (limits.py).
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     state = ServerState(engine, settings)
     state.attach(app)
     app.asgi_app = ShieldFinalSend(CloseOwned(app.asgi_app))  # type: ignore[method-assign, assignment]
@@ -58,19 +61,21 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     app.register_blueprint(openai_blueprint(engine, settings))
     app.register_blueprint(tokenize_blueprint(engine))
 
-    if settings.api_key:
-        api_key = settings.api_key.encode()
+    if settings.api_key or settings.admin_api_key:
+        api_key = settings.api_key.encode() if settings.api_key else None
+        admin_key = settings.admin_api_key.encode() if settings.admin_api_key else None
 
         @app.before_request
         async def check_api_key() -> None:
             # As SGLang: health probes stay open; everything else needs the key.
             if request.method == "OPTIONS" or request.path.startswith("/health"):
                 return
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            # The scheme name is case-insensitive (RFC 7235); the key itself is not.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), api_key
-            ):
+            if admin_key is not None and request.path in ADMIN_PATHS:
+                if not _bearer_matches([admin_key]):
+                    raise Unauthorized(
+                        "This endpoint changes server state and needs the admin API key."
+                    )
+            elif api_key is not None and not _bearer_matches([api_key, admin_key]):
                 raise Unauthorized()
 
     @app.before_request
@@ -82,8 +87,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
 
     @app.route("/generate", methods=["POST", "PUT"])
     async def generate() -> Response:
-        body = await read_json_body()
-        return await handle_generate(engine, settings, body, owned_by_request(request.scope))
+        deadline = Deadline.for_request(settings, request.headers.get(TIMEOUT_HEADER))
+        with deadline.applied():
+            body = await read_json_body()
+        owned = owned_by_request(request.scope)
+        return await handle_generate(engine, settings, body, owned, deadline=deadline)
 
     # Errors of requests that no blueprint routed (unknown /v1 paths, wrong methods, a missing
     # API key there) reach these app-level handlers: under /v1 they answer in OpenAI's error
@@ -106,3 +114,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
         return error_response(500, f"Internal server error: {type(error).__name__}")
 
     return app
+
+
+def _bearer_matches(keys: list[bytes | None]) -> bool:
+    """The request's `Authorization: Bearer` key is one of `keys` (compared in constant
+    time)."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    # The scheme name is case-insensitive (RFC 7235); the key itself is not.
+    if scheme.lower() != "bearer":
+        return False
+    token = given.strip().encode()
+    return any(key is not None and hmac.compare_digest(token, key) for key in keys)

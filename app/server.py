@@ -13,10 +13,12 @@ Lifecycle contract:
 
 - the engine must already be open (its model loaded): nothing serves before it can answer;
 - leaving the block normally is a graceful shutdown: `/health` turns 503, the listener
-  closes, and in-flight requests get `settings.graceful_timeout` seconds. At 80% of that,
-  whatever is still generating is aborted with status 503, so a stream still open ends with
-  an error item and `[DONE]` and a unary request gets a 503, instead of a cut connection; at
-  the deadline anything left is cancelled;
+  closes, and in-flight requests get `settings.graceful_timeout` seconds. Early enough for
+  a 503 to leave before that deadline (at 80% of it, or two of the slowest recent engine
+  steps before it, or at once: `abort_delay`), whatever is still generating is aborted with
+  status 503, so a stream still open ends with an error item and `[DONE]` and a unary
+  request gets a 503, instead of a cut connection; at the deadline anything left is
+  cancelled;
 - cancelling the block is a hard stop within one scheduling round;
 - an error raised in the block reaches the caller as itself, not wrapped in a group.
 
@@ -108,12 +110,31 @@ async def open_http_server(
         finally:
             state.draining = True
             shutdown.set()
-            nursery.start_soon(_abort_leftovers, state.engine, settings.graceful_timeout)
+            nursery.start_soon(abort_leftovers, state.engine, settings.graceful_timeout)
 
 
-async def _abort_leftovers(engine: Engine, graceful_timeout: float) -> None:
-    """End what still generates near the graceful deadline with a 503 the client can read."""
-    await trio.sleep(graceful_timeout * 0.8)
+#: The share of the graceful timeout left for aborted requests' 503s to reach their clients.
+ABORT_MARGIN_SHARE = 0.2
+#: ... and at least this many of the engine's slowest recent steps: an abort acts at the next
+#: step boundary, so the step running when it is marked must end (and the 503 be written)
+#: before the deadline.
+ABORT_MARGIN_STEPS = 2.0
+
+
+def abort_delay(graceful_timeout: float, slowest_step: float) -> float:
+    """Seconds after a graceful shutdown begins to abort what still generates: the deadline
+    less max(20% of it, two of the slowest recent steps); 0 (at once) if that is past."""
+    margin = max(ABORT_MARGIN_SHARE * graceful_timeout, ABORT_MARGIN_STEPS * slowest_step)
+    return max(0.0, graceful_timeout - margin)
+
+
+async def abort_leftovers(engine: Engine, graceful_timeout: float) -> None:
+    """End what still generates before the graceful deadline with a 503 the client can read.
+
+    The margin comes from the step times measured when shutdown begins (a large model or a
+    long prefill chunk makes steps long); while draining no new request is accepted, so
+    steps do not grow meanwhile."""
+    await trio.sleep(abort_delay(graceful_timeout, engine.slowest_recent_step()))
     engine.abort_all(message="The server is shutting down.", status_code=503)
 
 

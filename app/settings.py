@@ -8,6 +8,7 @@ a documented default (docs/operations.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 __all__ = ["ServerSettings"]
 
@@ -35,8 +36,27 @@ class ServerSettings:
     #: When set, every request except `/health*` must send `Authorization: Bearer <key>`
     #: (SGLang's --api-key); others get 401.
     api_key: str | None = None
+    #: When set, the routes that change server state (`admin.ADMIN_PATHS`: `/abort_request`,
+    #: `/flush_cache`) need `Authorization: Bearer <admin key>`; `api_key` no longer opens
+    #: them. The admin key also opens every route `api_key` guards.
+    admin_api_key: str | None = None
+    #: Seconds a request may take, reading its body to its last output (`--request-timeout`);
+    #: past it, what still generates is aborted and the client gets a 408. A request's
+    #: `X-Request-Timeout` header may shorten it. None: no server-wide deadline.
+    request_timeout: float | None = None
+    #: The largest request body accepted, in bytes (`--max-request-bytes`); a larger one gets
+    #: a 413, refused before it is read (Content-Length) or as soon as it passes the limit
+    #: (chunked).
+    max_request_bytes: int = 4 * 1024 * 1024
     #: Logged by `tributary serve`; the library never configures logging itself.
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        timeout = self.request_timeout
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"request_timeout must be a positive number of seconds, got {timeout}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be at least 1, got {self.max_request_bytes}")
 
     @property
     def bind(self) -> str:

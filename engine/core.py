@@ -81,7 +81,8 @@ async def open_runner(config: EngineConfig) -> Runner:
     if config.runner == "llama":
         from .runners.llama import LlamaRunner, compute_thread
 
-        return await compute_thread().run(LlamaRunner.load, config)
+        # A model loaded after its caller left (Ctrl-C during the load) is freed, not leaked.
+        return await compute_thread().run(LlamaRunner.load, config, orphan=LlamaRunner.close)
     if config.runner == "sim":
         from .runners.sim import SimRunner
 
@@ -144,6 +145,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self._scheduler.stats()
+
+    def slowest_recent_step(self) -> float:
+        """Seconds the slowest of the recent steps took (0 before the first step): how long
+        an abort may wait for the step boundary that acts on it."""
+        return max(self._scheduler.step_times, default=0.0)
 
     def idle_report(self) -> IdleReport:
         """What the engine still holds for requests, for leak checks in tests: every field is
@@ -235,6 +241,7 @@ class Engine:
             prompt_tokens=len(prompt_ids),
             receiver=receiver,
             abort=lambda: self._scheduler.mark_abort(seq, abort_reason()),
+            abort_with=lambda reason: self._scheduler.mark_abort(seq, reason),
             sender=sender,
         )
 

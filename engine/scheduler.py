@@ -132,6 +132,11 @@ class Sequence:
         return len(self.prompt_ids), len(self.output_ids), 0
 
 
+#: Steps over which `Scheduler.step_times` remembers how long a step takes: enough to
+#: include the last long prefill chunk of a busy engine, short enough to forget a past burst.
+STEP_WINDOW = 64
+
+
 class Scheduler:
     def __init__(self, runner: Runner, config: EngineConfig, *, kv_total_cells: int) -> None:
         self.runner = runner
@@ -148,6 +153,8 @@ class Scheduler:
         self._on_finish: list[Callable[[Sequence], None]] = []
         self.steps = 0
         self.generated_tokens = 0
+        #: Seconds the last STEP_WINDOW steps took on the runner (failed ones included).
+        self.step_times: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
 
     # -- called from other tasks (synchronous, never blocks) ----------------------------
 
@@ -207,11 +214,14 @@ class Scheduler:
                     self._wakeup = trio.Event()
                     continue
                 plan, sampling, stepped = self._plan()
+                started = trio.current_time()
                 try:
                     sampled = await self.runner.step(plan)
                 except Exception as exc:
                     self._fail_step(plan, exc)
                     continue
+                finally:
+                    self.step_times.append(trio.current_time() - started)
                 self.steps += 1
                 self._commit(sampling, sampled, stepped)
         finally:
@@ -363,13 +373,18 @@ class Scheduler:
 
     def _fail_step(self, plan: list[SeqStep], exc: Exception) -> None:
         """A failed forward pass leaves its sequences' KV in an unknown state: fail exactly
-        those (with a 500); sequences that were not in the step carry on."""
+        those (with a 500); sequences that were not in the step carry on. A sequence aborted
+        while the step ran ends with its abort (a shutdown's 503, a client's plain abort):
+        its client asked for that ending before the failure, and it lost no output to it."""
         error = exc if isinstance(exc, EngineError) else RunnerFailure(f"runner failed: {exc!r}")
         slots = {step.seq_id for step in plan}
         failed = [seq for seq in self.running if seq.slot in slots]
         LOGGER.error("runner step failed; failing its %d sequences", len(failed), exc_info=exc)
         for seq in failed:
-            self._fail(seq, error)
+            if seq.abort is not None:
+                self._finish(seq, seq.abort)
+            else:
+                self._fail(seq, error)
 
     def _fail(self, seq: Sequence, error: EngineError) -> None:
         self._release(seq)

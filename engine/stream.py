@@ -14,6 +14,11 @@ A consumer that merges several streams (an SSE body over a batch) can take the i
 without a task per stream: `stream.redirect(sink)` makes the producer call `sink(item)` the
 moment it produces each item, instead of queueing it for iteration. The producing end is an
 `OutputSender` (`open_output_channel`), whatever produces the items.
+
+A deadline (`set_deadline`) bounds every wait for the next item with a Trio cancel scope: at
+the deadline the request is aborted and the stream ends with a `Done` carrying a 408 abort
+finish_reason, at once, without waiting for the scheduler's next step boundary. A consumer of
+redirected streams bounds its own wait by `stream.deadline` and then calls `time_out()`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from types import TracebackType
 import trio
 
 from .errors import RequestTruncated
-from .request import Done, Error, Output
+from .request import Done, Error, FinishReason, Frame, Output, abort_reason
 
 __all__ = ["OutputSender", "RequestStream", "open_output_channel"]
 
@@ -83,16 +88,33 @@ class RequestStream:
         prompt_tokens: int,
         receiver: trio.MemoryReceiveChannel[Output],
         abort: Callable[[], None],
+        abort_with: Callable[[FinishReason], None] | None = None,
         sender: OutputSender | None = None,
     ) -> None:
         self._abort = abort  # aborts this request's sequence, not whatever holds its rid later
+        # ... with a given finish_reason (a deadline's); a plain abort where not supported.
+        self._abort_with = abort_with or (lambda _reason: abort())
         self._sender = sender  # the producing end, for redirect
-        self._redirected = False
+        self._sink: Callable[[Output], None] | None = None  # set by redirect
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self._receiver = receiver
         self._terminal = False  # a Done or Error has been handed out
         self._closed = False
+        self._deadline = math.inf
+        self._timeout_reason: FinishReason | None = None
+        self._last: Frame | None = None  # for the counts of a deadline's Done
+
+    def set_deadline(self, at: float, *, message: str = "Request timed out.") -> None:
+        """End the request at Trio time `at` unless it has ended by then.
+
+        From then on, a read that would wait past `at` (or starts after it) aborts the
+        request (its sequence is freed at the next step boundary, at once if it is still
+        queued) and returns a `Done` with no new output, the counts so far, and finish_reason
+        `{"type": "abort", "message": message, "status_code": 408, "err_type": "timeout"}`;
+        the stream ends there. Items the engine delivers after the deadline are dropped."""
+        self._deadline = at
+        self._timeout_reason = abort_reason(message, status_code=408, err_type="timeout")
 
     @property
     def finished(self) -> bool:
@@ -113,38 +135,81 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Output:
-        if self._terminal or self._closed or self._redirected:
+        if self._terminal or self._closed or self._sink is not None:
             raise StopAsyncIteration
         try:
-            item = await self._receiver.receive()
+            item = await self._receive()
         except trio.EndOfChannel:
             # Only an engine bug closes a channel without a terminal item; say so rather than
             # pretend the request ended normally.
             item = Error(self.rid, RequestTruncated())
         if isinstance(item, Done | Error):
             self._terminal = True
+        else:
+            self._last = item
         return item
+
+    async def _receive(self) -> Output:
+        if self._timeout_reason is None:
+            return await self._receiver.receive()
+        with trio.move_on_at(self._deadline):
+            return await self._receiver.receive()
+        return self._timeout_done()
+
+    @property
+    def deadline(self) -> float:
+        """The Trio time this stream ends by (`set_deadline`); inf without one."""
+        return self._deadline
+
+    def time_out(self) -> None:
+        """For a redirected stream's consumer, once `deadline` has passed: unless the request
+        has ended, abort it and hand the sink the 408 `Done` that ends it (as iterating would
+        return it). Nothing the engine delivers afterwards reaches the sink."""
+        if self._sink is None or self._terminal or self._closed or self._timeout_reason is None:
+            return
+        if trio.current_time() >= self._deadline:
+            self._sink(self._timeout_done())
+
+    def _timeout_done(self) -> Done:
+        assert self._timeout_reason is not None
+        reason = self._timeout_reason
+        self._abort_with(reason)
+        last = self._last
+        return Done(
+            self.rid,
+            "",
+            [],
+            self.prompt_tokens if last is None else last.prompt_tokens,
+            0 if last is None else last.completion_tokens,
+            0 if last is None else last.cached_tokens,
+            finish_reason=reason,
+        )
 
     def redirect(self, sink: Callable[[Output], None]) -> None:
         """From now on the producer hands each item to `sink` as it produces it; items
         already queued go first, at once and in order. The stream is no longer iterated
         (iterating it ends at once), but `close()` still aborts the request unless `sink`
-        has been given its terminal item, and after `close()` nothing reaches `sink`.
+        has been given its terminal item, and after `close()` or the terminal item nothing
+        reaches `sink`.
 
         `sink` runs in the producer (the engine's scheduler), so it must not block or raise;
         it is the moment of delivery, which is what per-request timing wants to observe.
+        A deadline is the consumer's to enforce: wait at most until `deadline`, then call
+        `time_out()`.
         """
         if self._sender is None:
             raise TypeError("this stream was built without its sender; it cannot be redirected")
-        self._redirected = True
 
         def deliver(item: Output) -> None:
-            if self._closed:
-                return  # the consumer left: like a closed receiver, nothing reaches it
+            if self._closed or self._terminal:
+                return  # the consumer left, or the stream ended (a deadline's Done)
             if isinstance(item, Done | Error):
                 self._terminal = True
+            else:
+                self._last = item
             sink(item)
 
+        self._sink = deliver
         while True:
             try:
                 deliver(self._receiver.receive_nowait())

@@ -31,6 +31,7 @@ from quart import Response
 from tributary.engine import Done, Frame
 
 from ..generate import submit_all
+from ..limits import Deadline
 from ..output import json_response
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import TokenSpeller, chat_logprob_content
@@ -47,14 +48,17 @@ def render_chat_prompt(served: ServedModel, req: ChatRequest) -> list[int]:
     return served.engine.tokenize(text, add_special=False)
 
 
-async def create_chat_completion(served: ServedModel, body: Any, owned: list[Any]) -> Response:
-    """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte."""
+async def create_chat_completion(
+    served: ServedModel, body: Any, owned: list[Any], *, deadline: Deadline | None = None
+) -> Response:
+    """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
+    past `deadline`, a 408 (the status, or a stream's error event)."""
     engine = served.engine
     req = parse_chat(body, vocab_size=engine.model_info.vocab_size)
     served.check_model(req.model)
     served.check_max_tokens(req)
     prompt_ids = render_chat_prompt(served, req)
-    streams = submit_all(engine, served.expand([prompt_ids], req))
+    streams = submit_all(engine, served.expand([prompt_ids], req), deadline)
     owned.extend(streams)
     head = served.response_head("chatcmpl", "chat.completion", req)
     if req.stream:

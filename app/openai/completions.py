@@ -31,6 +31,7 @@ from quart import Response
 from tributary.engine import Done, Frame
 
 from ..generate import submit_all
+from ..limits import Deadline
 from ..output import json_response
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import CompletionLogprobs, merge_completion_logprobs
@@ -41,14 +42,17 @@ from .streaming import chunk_stream_response
 __all__ = ["create_completion"]
 
 
-async def create_completion(served: ServedModel, body: Any, owned: list[Any]) -> Response:
-    """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte."""
+async def create_completion(
+    served: ServedModel, body: Any, owned: list[Any], *, deadline: Deadline | None = None
+) -> Response:
+    """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
+    past `deadline`, a 408 (the status, or a stream's error event)."""
     engine = served.engine
     req = parse_completion(body, vocab_size=engine.model_info.vocab_size)
     served.check_model(req.model)
     served.check_max_tokens(req)
     echoes = _echoes(served, req) if req.echo else None
-    streams = submit_all(engine, served.expand(req.prompts, req))
+    streams = submit_all(engine, served.expand(req.prompts, req), deadline)
     owned.extend(streams)
     head = served.response_head("cmpl", "text_completion", req)
     shapers = _logprob_shapers(served, req, echoes, len(streams))

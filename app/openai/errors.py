@@ -15,10 +15,11 @@ Body shape, as OpenAI sends it (`openai` turns it into `APIStatusError` subclass
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
 
-`type` is OpenAI's family name for the status (`invalid_request_error` for 400 and 404,
-`authentication_error` for 401, `server_error` for 5xx); `code` is OpenAI's machine-readable
-code where one exists (`model_not_found`, `context_length_exceeded`, `invalid_api_key`), else
-null. Errors after a stream has started are the same object as an SSE event, then `[DONE]`.
+`type` is OpenAI's family name for the status (`invalid_request_error` for 400, 404 and 413,
+`authentication_error` for 401, `timeout_error` for 408, `server_error` for 5xx); `code` is
+OpenAI's machine-readable code where one exists (`model_not_found`, `context_length_exceeded`,
+`invalid_api_key`), else null. Errors after a stream has started are the same object as an
+SSE event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class Unauthorized(EngineError):
     http_status = 401
     err_type = "authentication_error"
 
-    def __init__(self) -> None:
-        super().__init__("Incorrect API key provided.")
+    def __init__(self, message: str = "Incorrect API key provided.") -> None:
+        super().__init__(message)
 
 
 class StatusError(EngineError):
@@ -87,6 +88,8 @@ class StatusError(EngineError):
 def _type_for(status: int) -> str:
     if status == 401:
         return "authentication_error"
+    if status == 408:
+        return "timeout_error"
     if status >= 500:
         return "server_error"
     return "invalid_request_error"

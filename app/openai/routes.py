@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 from tributary.engine import Engine, EngineError
 
 from ..asgi import owned_by_request
+from ..limits import TIMEOUT_HEADER, Deadline
 from ..normalize import read_json_body
 from ..output import json_response
 from ..settings import ServerSettings
@@ -35,17 +36,24 @@ LOGGER = logging.getLogger("tributary.openai")
 def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> Blueprint:
     """The OpenAI-compatible API for `engine`; register it on the app serving that engine."""
     served = ServedModel.for_engine(engine)
+    http = settings or ServerSettings()
     bp = Blueprint("openai", __name__, url_prefix="/v1")
 
     @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:
-        body = await read_json_body()
-        return await create_completion(served, body, owned_by_request(request.scope))
+        deadline = Deadline.for_request(http, request.headers.get(TIMEOUT_HEADER))
+        with deadline.applied():
+            body = await read_json_body()
+        owned = owned_by_request(request.scope)
+        return await create_completion(served, body, owned, deadline=deadline)
 
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
-        body = await read_json_body()
-        return await create_chat_completion(served, body, owned_by_request(request.scope))
+        deadline = Deadline.for_request(http, request.headers.get(TIMEOUT_HEADER))
+        with deadline.applied():
+            body = await read_json_body()
+        owned = owned_by_request(request.scope)
+        return await create_chat_completion(served, body, owned, deadline=deadline)
 
     @bp.route("/models", methods=["GET"])
     async def models() -> Response:

@@ -25,6 +25,7 @@ sequence ids, so the batch goes in id order and the scheduler hands out the lowe
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import logging
 import math
@@ -33,7 +34,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import llama_cpp
 import numpy as np
@@ -446,6 +447,11 @@ class ComputeThread:
     Decodes issued from Trio's thread cache land on different threads, so that happens as soon
     as two cache threads have decoded: measured, a 4-sequence step went from 19.5 ms to
     40.8 ms and stayed there. One thread for all compute keeps one team.
+
+    The thread outlives every job: a job's failure (any exception, and a result that can no
+    longer be delivered because its Trio run has ended) is logged or cleaned up, and the next
+    job runs. It lives as long as the process, so a later `trio.run` in the same process
+    (a program that caught Ctrl-C, a test suite) finds it serving.
     """
 
     def __init__(self) -> None:
@@ -455,45 +461,102 @@ class ComputeThread:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job()
+            try:
+                job()
+            except BaseException:  # the thread must outlive any job; the next one still runs
+                fn = getattr(job, "func", job)  # submit's partial, or run's job
+                LOGGER.exception("compute thread job %s failed", getattr(fn, "__name__", fn))
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue `fn(*args)` behind the jobs already queued, without waiting for it. A
         failure is logged; the thread carries on."""
-
-        def job() -> None:
-            try:
-                fn(*args)
-            except Exception:
-                LOGGER.exception("compute thread job %s failed", getattr(fn, "__name__", fn))
-
-        self._jobs.put(job)
+        self._jobs.put(functools.partial(fn, *args))
 
     def wait_idle(self) -> None:
-        """Block until every job queued so far has run (for shutdown, off the hot path)."""
+        """Block until every job queued so far has run (for shutdown, off the hot path). On
+        the compute thread itself (a job cleaning up) nothing else can be running, so it
+        returns at once."""
+        if threading.current_thread() is self._thread:
+            return
         done = threading.Event()
         self._jobs.put(done.set)
         done.wait()
 
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def run(
+        self, fn: Callable[..., _T], *args: Any, orphan: Callable[[_T], object] | None = None
+    ) -> _T:
         """Run `fn(*args)` on the compute thread and return its result.
 
         Cancellation waits for the call to finish (a decode takes at most a step), then takes
         effect at the caller's next checkpoint: the model is never freed under a running
-        decode.
+        decode. KeyboardInterrupt is different: Trio delivers it to the main task even in a
+        shielded wait, so a caller there (`open_engine` loading a model) leaves at once and
+        its Trio run may end before the call does. The result is then nobody's: `orphan`
+        (say, a loaded model's `close`) is called on it on the compute thread, and the
+        thread carries on with the next job.
         """
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
-        result: list[outcome.Outcome[_T]] = []
+        handoff = _Handoff[_T]()
 
         def job() -> None:
-            result.append(outcome.capture(fn, *args))
-            token.run_sync_soon(done.set)
+            result = outcome.capture(fn, *args)
+            if not handoff.deliver(result):
+                _free_orphan(result, orphan)  # the caller has already left
+                return
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                _free_orphan(handoff.abandon(), orphan)
 
         self._jobs.put(job)
-        with trio.CancelScope(shield=True):
-            await done.wait()
-        return result[0].unwrap()
+        try:
+            with trio.CancelScope(shield=True):
+                await done.wait()
+        except BaseException:
+            leftover = handoff.abandon()
+            if leftover is not None:  # delivered, but this caller will never take it
+                self.submit(_free_orphan, leftover, orphan)
+            raise
+        result = handoff.abandon()
+        assert result is not None, "done is set only after delivery"
+        return result.unwrap()
+
+
+class _Handoff(Generic[_T]):
+    """One result passed from the compute thread to a waiting Trio task, or left behind
+    when that task has gone: whichever side comes second sees what the other did."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._result: outcome.Outcome[_T] | None = None
+        self._abandoned = False
+
+    def deliver(self, result: outcome.Outcome[_T]) -> bool:
+        """Hand `result` over; False if the waiter has already left (the result is the
+        caller's to free)."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self._result = result
+            return True
+
+    def abandon(self) -> outcome.Outcome[_T] | None:
+        """Take what was delivered (None if nothing yet); nothing is delivered after this."""
+        with self._lock:
+            self._abandoned = True
+            result, self._result = self._result, None
+            return result
+
+
+def _free_orphan(result: outcome.Outcome[_T] | None, orphan: Callable[[_T], object] | None) -> None:
+    if orphan is None or not isinstance(result, outcome.Value):
+        return
+    LOGGER.warning("freeing a result nobody collected: %r", result.value)
+    try:
+        orphan(result.value)
+    except Exception:
+        LOGGER.exception("freeing an uncollected result failed")
 
 
 _compute_thread: ComputeThread | None = None

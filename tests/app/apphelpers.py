@@ -157,6 +157,9 @@ class ScriptedEngine:
             running=0, waiting=0, kv_used_cells=0, kv_total_cells=8192, steps=0, generated_tokens=0
         )
 
+    def slowest_recent_step(self) -> float:
+        return 0.0
+
     def abort(self, rid: str, **options: Any) -> int:
         return 0
 

@@ -13,6 +13,7 @@ import trio
 from apphelpers import greedy, parse_sse, server_settings, sim_config, wait_until
 
 from tributary import app, engine
+from tributary.app import server
 
 
 async def test_port_zero_binds_a_free_port_and_serve_works_with_nursery_start() -> None:
@@ -166,3 +167,53 @@ async def test_requests_outliving_the_graceful_timeout_end_with_a_readable_503()
     assert events[-2] == {"error": {"message": "The server is shutting down.", "code": 503}}
     assert unary[0].status_code == 503
     assert unary[0].json() == {"error": {"message": "The server is shutting down.", "code": 503}}
+
+
+async def test_leftovers_are_aborted_a_long_step_before_the_graceful_deadline(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """With steps longer than 20% of the graceful timeout, aborting at 80% would leave the
+    503 waiting for a step boundary past the deadline (and the connection would be cut):
+    the abort comes early enough for the slowest recent step to end before the deadline."""
+    graceful_timeout = 1.0
+    slow = engine.SimLatency(step_base=0.6, decode_per_seq=0.0, prefill_per_token=0.0)
+    async with engine.open_engine(sim_config(sim_latency=slow)) as eng:
+        params = engine.SamplingParams.from_dict(greedy(1000))
+        stream = eng.submit(engine.GenerateRequest(text="hi", sampling=params))
+        for _ in range(3):  # a few steps, so the engine knows how long one takes
+            await stream.__anext__()
+        shutdown_at = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.abort_leftovers, eng, graceful_timeout)
+            async with stream:
+                last = [item async for item in stream][-1]
+            ended_at = trio.current_time()
+    assert isinstance(last, engine.Done)
+    assert last.finish_reason["status_code"] == 503
+    assert ended_at - shutdown_at < graceful_timeout
+
+
+async def test_a_slow_step_still_lets_leftovers_read_their_503() -> None:
+    """Over a real socket: a stream on an engine whose steps take 0.4 s, shut down with a 1 s
+    graceful timeout, ends with the 503 error item and [DONE], not a cut connection."""
+    slow = engine.SimLatency(step_base=0.4, decode_per_seq=0.0, prefill_per_token=0.0)
+    streamed: list[str] = []
+    async with engine.open_engine(sim_config(sim_latency=slow)) as eng:
+        async with trio.open_nursery() as nursery:
+            async with app.open_http_server(eng, server_settings(graceful_timeout=1.0)) as urls:
+                client = httpx.AsyncClient(base_url=urls[0], timeout=30)
+
+                async def stream() -> None:
+                    body = {"text": "hi", "stream": True, "sampling_params": greedy(1000)}
+                    async with client.stream("POST", "/generate", json=body) as response:
+                        async for chunk in response.aiter_text():
+                            streamed.append(chunk)
+
+                nursery.start_soon(stream)
+                await wait_until(lambda: eng.stats().steps >= 3)
+        await client.aclose()
+    events = parse_sse("".join(streamed))
+    assert events[-2:] == [
+        {"error": {"message": "The server is shutting down.", "code": 503}},
+        "[DONE]",
+    ]

@@ -10,12 +10,14 @@ engine open their own.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import AsyncIterator
 
 import pytest
 import trio
+import trio.testing
 
 from tributary import engine, testing
 from tributary.engine import (
@@ -373,6 +375,57 @@ async def test_runner_failure_spares_sequences_outside_the_failed_step(
     spared = (await collect(waiting_for_budget))[-1][1]
     assert isinstance(failed, Error) and failed.error.http_status == 500
     assert isinstance(spared, Done) and spared.completion_tokens == 4
+
+
+@pytest.mark.tributary_config(sim_fail_at_step=2)
+async def test_an_abort_in_a_failing_step_keeps_its_own_status(
+    tributary_engine: engine.Engine,
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A request aborted (here with a status, as a graceful shutdown does) while the step it
+    is in fails gets its abort, not the step's 500; the other sequence in that step fails."""
+    eng = tributary_engine
+    aborted = eng.submit(dataclasses.replace(request(max_new_tokens=50), rid="a"))
+    other = eng.submit(dataclasses.replace(request(max_new_tokens=50), rid="b"))
+    assert isinstance(await aborted.__anext__(), Frame)  # step 1 committed
+    await trio.testing.wait_all_tasks_blocked()  # the scheduler is inside step 2 now
+    assert eng._runner.steps == 2  # type: ignore[attr-defined]
+    eng.abort("a", message="The server is shutting down.", status_code=503)
+    last = (await collect(aborted))[-1][1]
+    failed = (await collect(other))[-1][1]
+    assert isinstance(last, Done), last
+    assert last.finish_reason["status_code"] == 503
+    assert last.finish_reason["message"] == "The server is shutting down."
+    assert isinstance(failed, Error) and failed.error.http_status == 500
+    await testing.wait_engine_idle(eng)
+
+
+async def test_a_stream_deadline_ends_it_at_the_deadline_with_a_408_abort(
+    tributary_engine: engine.Engine,
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The deadline is exact (mid-step: here a prefill chunk of 256 tokens takes 0.28 s), the
+    stream ends with the 408 abort and the counts so far, the sequence is freed by the next
+    step boundary, and a request beside it carries on."""
+    eng = tributary_engine
+    start = trio.current_time()
+    late = eng.submit(request("x" * 2000, max_new_tokens=10))
+    beside = eng.submit(request("hello", max_new_tokens=3))
+    late.set_deadline(start + 0.1, message="Request timed out after 0.1 s.")
+    items = await collect(late)
+    at, last = items[-1]
+    assert at == pytest.approx(start + 0.1)
+    assert isinstance(last, Done)
+    assert last.finish_reason == {
+        "type": "abort",
+        "message": "Request timed out after 0.1 s.",
+        "status_code": 408,
+        "err_type": "timeout",
+    }
+    assert (last.prompt_tokens, last.completion_tokens) == (2000, 0)
+    done = (await collect(beside))[-1][1]
+    assert isinstance(done, Done) and done.completion_tokens == 3
+    await testing.wait_engine_idle(eng)
 
 
 async def test_parallel_samples_are_the_callers_to_expand(

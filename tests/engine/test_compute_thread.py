@@ -1,0 +1,137 @@
+"""The llama runner's `ComputeThread` outlives its jobs: a failed job, and a result whose Trio
+run ended before it arrived (Ctrl-C during a model load), leave it serving; a result nobody
+collects is freed (issue 11, defect 2).
+
+These tests call `trio.run` themselves, twice in one process, and deliver a real SIGINT to
+the main thread while a job runs, as Ctrl-C in an embedding program does."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+
+from tributary import engine
+from tributary.engine import Done, EngineConfig, GenerateRequest, SamplingParams
+from tributary.engine.runners import llama
+from tributary.engine.runners.llama import ComputeThread
+
+#: How long a second `trio.run` may take before the test calls it hung (a dead compute
+#: thread makes it wait for ever: its wait is shielded, so no deadline inside it helps).
+HANG = 60.0
+
+needs_default_sigint = pytest.mark.skipif(
+    signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+    reason="Trio only turns SIGINT into KeyboardInterrupt over Python's default handler",
+)
+
+
+def ctrl_c() -> None:
+    """SIGINT for the main thread, from any thread (Trio's handler runs there)."""
+    main = threading.main_thread().ident
+    assert main is not None
+    signal.pthread_kill(main, signal.SIGINT)
+
+
+def run_in_thread(fn: Callable[[], Any]) -> list[Any]:
+    """`fn()` in a thread of its own; fails the test if it does not return within HANG."""
+    results: list[Any] = []
+    worker = threading.Thread(target=lambda: results.append(fn()), daemon=True)
+    worker.start()
+    worker.join(HANG)
+    assert not worker.is_alive(), "hung: the compute thread no longer runs jobs"
+    return results
+
+
+@needs_default_sigint
+def test_a_result_whose_caller_was_interrupted_is_freed_and_the_thread_serves_on() -> None:
+    thread = ComputeThread()
+    run_over = threading.Event()
+    freed: list[str] = []
+
+    def slow_job() -> str:
+        ctrl_c()
+        run_over.wait(HANG)  # the result arrives after its trio.run has ended
+        return "model"
+
+    async def interrupted() -> None:
+        await thread.run(slow_job, orphan=freed.append)
+
+    with pytest.raises(KeyboardInterrupt):
+        trio.run(interrupted)
+    run_over.set()
+
+    async def later() -> int:
+        return await thread.run(lambda: 42)
+
+    assert run_in_thread(lambda: trio.run(later)) == [42]
+    assert freed == ["model"]
+
+
+def test_a_job_that_raises_anything_leaves_the_thread_serving() -> None:
+    thread = ComputeThread()
+
+    def exits() -> None:
+        raise SystemExit(3)
+
+    thread.submit(exits)
+
+    async def later() -> int:
+        with pytest.raises(KeyboardInterrupt):
+            await thread.run(_raise_keyboard_interrupt)  # a failure travels to its caller
+        return await thread.run(lambda: 7)
+
+    assert run_in_thread(lambda: trio.run(later)) == [7]
+
+
+def _raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.model
+@needs_default_sigint
+def test_ctrl_c_during_a_model_load_frees_it_and_a_second_open_engine_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = EngineConfig(context_length=256, max_running_requests=1, threads=1)
+    real_load = llama.LlamaRunner.load
+    run_over = threading.Event()
+    interrupted_loads: list[llama.LlamaRunner] = []
+
+    def load_during_ctrl_c(config: EngineConfig) -> llama.LlamaRunner:
+        ctrl_c()
+        run_over.wait(HANG)  # the load finishes after the interrupted trio.run has ended
+        runner = real_load(config)
+        interrupted_loads.append(runner)
+        return runner
+
+    async def interrupted() -> None:
+        async with engine.open_engine(config):
+            pytest.fail("the load was interrupted; the block never runs")
+
+    monkeypatch.setattr(llama.LlamaRunner, "load", load_during_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        trio.run(interrupted)
+    monkeypatch.setattr(llama.LlamaRunner, "load", real_load)
+    run_over.set()
+
+    async def second() -> Done:
+        async with engine.open_engine(config) as eng:
+            params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 4})
+            async with eng.submit(GenerateRequest(text="Hi", sampling=params)) as stream:
+                items = [item async for item in stream]
+        assert isinstance(items[-1], Done)
+        return items[-1]
+
+    (done,) = run_in_thread(lambda: trio.run(second))
+    assert done.completion_tokens == 4
+    # The model loaded for nobody was freed on the compute thread (not leaked).
+    deadline = time.monotonic() + HANG
+    while not interrupted_loads[0]._closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert interrupted_loads[0]._closed
