@@ -30,31 +30,40 @@ from quart import Response
 
 from tributary.engine import Done, Frame
 
+from ..exchange import Exchange
 from ..generate import submit_all
 from ..output import json_response
+from ..timing import RequestTiming
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import CompletionLogprobs, merge_completion_logprobs
 from .protocol import CompletionRequest, parse_completion
 from .served import ServedModel
 from .streaming import chunk_stream_response
+from .timings import llama_timings
 
 __all__ = ["create_completion"]
 
 
-async def create_completion(served: ServedModel, body: Any, owned: list[Any]) -> Response:
+async def create_completion(
+    served: ServedModel, body: Any, owned: list[Any], exchange: Exchange | None = None
+) -> Response:
     """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte."""
     engine = served.engine
     req = parse_completion(body, vocab_size=engine.model_info.vocab_size)
     served.check_model(req.model)
     served.check_max_tokens(req)
     echoes = _echoes(served, req) if req.echo else None
-    streams = submit_all(engine, served.expand(req.prompts, req))
+    timing = RequestTiming.start(exchange)
+    items = served.expand(req.prompts, req)
+    streams = submit_all(engine, items)
     owned.extend(streams)
+    timings = [timing.for_item(s, item) for s, item in zip(streams, items, strict=True)]
     head = served.response_head("cmpl", "text_completion", req)
     shapers = _logprob_shapers(served, req, echoes, len(streams))
     if req.stream:
-        return chunk_stream_response(streams, _Chunks(head, req, echoes, shapers))
-    choices = await collect(streams)
+        renderer = _Chunks(head, req, echoes, shapers)
+        return chunk_stream_response(streams, renderer, timings, timing_detail=served.timing_detail)
+    choices = await collect(streams, timings)
     return json_response(
         {
             **head,
@@ -72,6 +81,7 @@ async def create_completion(served: ServedModel, body: Any, owned: list[Any]) ->
                 for i, choice in enumerate(choices)
             ],
             "usage": usage_object(choices, n=req.n),
+            **({"timings": llama_timings(timings)} if served.timing_detail else {}),
         }
     )
 
@@ -108,7 +118,7 @@ class _Chunks:
     ) -> None:
         self._head = head
         self._n = req.n
-        self._include_usage = req.include_usage
+        self.include_usage = req.include_usage
         self._pending_echo = dict(enumerate(echoes)) if echoes else {}
         self._shapers = shapers
 
@@ -124,7 +134,7 @@ class _Chunks:
         return [self._chunk(index, text, logprobs, finish_fields(choice.finish_reason))]
 
     def on_end(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
-        if not self._include_usage:
+        if not self.include_usage:
             return []
         return [{**self._head, "choices": [], "usage": usage_object(choices, n=self._n)}]
 
@@ -139,6 +149,6 @@ class _Chunks:
             **self._head,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, **finish}],
         }
-        if self._include_usage:
+        if self.include_usage:
             chunk["usage"] = None
         return chunk

@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 from tributary.engine import Engine, EngineError
 
 from ..asgi import owned_by_request
+from ..exchange import exchange_of
 from ..normalize import read_json_body
 from ..output import json_response
 from ..settings import ServerSettings
@@ -34,18 +35,23 @@ LOGGER = logging.getLogger("tributary.openai")
 
 def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> Blueprint:
     """The OpenAI-compatible API for `engine`; register it on the app serving that engine."""
-    served = ServedModel.for_engine(engine)
+    detail = settings is not None and settings.enable_request_timing
+    served = ServedModel.for_engine(engine, timing_detail=detail)
     bp = Blueprint("openai", __name__, url_prefix="/v1")
 
     @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:
         body = await read_json_body()
-        return await create_completion(served, body, owned_by_request(request.scope))
+        scope = request.scope
+        return await create_completion(served, body, owned_by_request(scope), exchange_of(scope))
 
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
         body = await read_json_body()
-        return await create_chat_completion(served, body, owned_by_request(request.scope))
+        scope = request.scope
+        return await create_chat_completion(
+            served, body, owned_by_request(scope), exchange_of(scope)
+        )
 
     @bp.route("/models", methods=["GET"])
     async def models() -> Response:
