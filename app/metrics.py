@@ -103,8 +103,7 @@ class Metrics:
         #: (endpoint, method) and (endpoint, method, status code) -> count
         self.http_requests: dict[tuple[str, str], int] = {}
         self.http_responses: dict[tuple[str, str, str], int] = {}
-        stats = engine.stats()
-        self._throughput_mark = (trio.current_time(), stats.generated_tokens)
+        self._throughput_mark = self._mark(engine.stats())
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -192,12 +191,22 @@ class Metrics:
             responses.add_metric([endpoint, status, method, model], value)
         yield responses
 
+    @staticmethod
+    def _mark(stats: EngineStats) -> tuple[float, int] | None:
+        """(now, tokens generated so far): where the next gen_throughput starts. None outside
+        a Trio run (an app may be built before `trio.run`): the first scrape starts it."""
+        try:
+            return trio.current_time(), stats.generated_tokens
+        except RuntimeError:
+            return None
+
     def _gauges(self, stats: EngineStats, model: str) -> Iterator[Metric]:
-        now = trio.current_time()
-        since, tokens_then = self._throughput_mark
-        elapsed = now - since
-        throughput = (stats.generated_tokens - tokens_then) / elapsed if elapsed > 0 else 0.0
-        self._throughput_mark = (now, stats.generated_tokens)
+        throughput = 0.0
+        mark, self._throughput_mark = self._throughput_mark, self._mark(stats)
+        if mark is not None and self._throughput_mark is not None:
+            elapsed = self._throughput_mark[0] - mark[0]
+            if elapsed > 0:
+                throughput = (stats.generated_tokens - mark[1]) / elapsed
         usage = stats.kv_used_cells / stats.kv_total_cells if stats.kv_total_cells else 0.0
         for name, doc, value in (
             ("num_running_reqs", "The number of running requests.", stats.running),
