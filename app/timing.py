@@ -112,10 +112,6 @@ class RequestTiming:
         if metrics is not None:
             metrics.observe_finished(self)
 
-    def observe_first_output(self) -> None:
-        if self.first_output_at is None:
-            self.first_output_at = trio.current_time()
-
     def finish(self) -> None:
         if self.finished_at is None:
             self.finished_at = trio.current_time()

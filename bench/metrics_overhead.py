@@ -1,6 +1,7 @@
 """What /metrics collection costs: the same zero-cost server with metrics on and off.
 
     .venv/bin/python bench/metrics_overhead.py [--rounds 5] [--requests 2000]
+        [--in-process-rounds 30] [--quiet-wait SECONDS]
 
 Two servers, each a subprocess: `tributary.open_http_server` over an engine on the sim
 runner at zero cost (as in bench/overhead.py: every microsecond is the API's, the
@@ -344,7 +345,7 @@ def main() -> None:
     p.add_argument(
         "--in-process-rounds",
         type=int,
-        default=10,
+        default=30,
         help="rounds of the socket-free comparison (CPU time per request); 0 skips it",
     )
     p.add_argument("--output", type=Path, default=DOCS / "metrics-overhead.json")
@@ -353,7 +354,7 @@ def main() -> None:
 
     started = datetime.datetime.now(datetime.UTC)
     runs: list[dict[str, Any]] = []
-    servers = {name: Server(name) for name in SERVERS}
+    servers = {name: Server(name) for name in SERVERS} if args.rounds else {}
     try:
         for round_no in range(1, args.rounds + 1):
             order = list(SERVERS) if round_no % 2 else list(reversed(SERVERS))
@@ -376,7 +377,7 @@ def main() -> None:
         for server in servers.values():
             server.stop()
 
-    summary = summarize(runs)
+    summary = summarize(runs) if runs else []
     local_runs = (
         in_process(args.in_process_rounds, args.requests, args.concurrency)
         if args.in_process_rounds
