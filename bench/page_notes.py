@@ -50,7 +50,7 @@ def commands_section(recipe: str, script: str, argv: str) -> list[str]:
         "## Commands",
         "",
         "```bash",
-        f"{recipe}   # = .venv/bin/python {script} {argv}",
+        f"{recipe}   # = .venv/bin/python {script} {argv}".rstrip(),
         "```",
         "",
     ]
