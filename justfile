@@ -55,3 +55,8 @@ bench-serving *ARGS: _ensure-setup
 # API overhead (zero-cost sim runner) against a bare Quart-Trio route (docs/benchmarks/overhead.md).
 bench-overhead *ARGS: _ensure-setup
     {{venv}}/bin/python bench/overhead.py {{ARGS}}
+
+# What /metrics collection costs: zero-cost sim server with metrics on and off, alternating
+# rounds (docs/benchmarks/metrics-overhead.md).
+bench-metrics *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/metrics_overhead.py {{ARGS}}

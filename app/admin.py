@@ -1,7 +1,7 @@
 """`admin_blueprint`: the endpoints around `/generate` that SGLang clients, routers and load
 balancers call: `/health`, `/health_generate`, `/get_model_info` (`/model_info`),
-`/get_server_info` (`/server_info`), `/abort_request`, `/flush_cache`. docs/api.md has the wire
-details.
+`/get_server_info` (`/server_info`), `/get_load`, `/metrics` (unless metrics are disabled),
+`/abort_request`, `/flush_cache`. docs/api.md has the wire details.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tributary.engine import (
 )
 
 from .errors import abort_status
+from .metrics import CONTENT_TYPE
 from .normalize import read_json_body
 from .output import json_response
 from .state import ServerState
@@ -106,6 +107,31 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
                 "version": version(),
             }
         )
+
+    @bp.route("/get_load", methods=["GET"])
+    async def get_load() -> Response:
+        # SGLang's shape: one object per data-parallel rank; dp_rank (and the request
+        # plumbing fields rid, http_worker_ipc) are null on a server without DP, as there.
+        load = engine.load()
+        return json_response(
+            [
+                {
+                    "rid": None,
+                    "http_worker_ipc": None,
+                    "dp_rank": None,
+                    "num_reqs": load.num_reqs,
+                    "num_waiting_reqs": load.num_waiting_reqs,
+                    "num_tokens": load.num_tokens,
+                }
+            ]
+        )
+
+    metrics = state.metrics
+    if metrics is not None:
+
+        @bp.route("/metrics", methods=["GET"])
+        async def metrics_text() -> Response:
+            return Response(metrics.render(), status=200, content_type=CONTENT_TYPE)
 
     @bp.route("/abort_request", methods=["POST"])
     async def abort_request() -> Response:

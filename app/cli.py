@@ -19,11 +19,12 @@ import trio
 from tributary import engine
 from tributary.bench import cli as bench_cli
 
+from .exchange import JsonFormatter
 from .loading import bound_port, serve_until_loaded
 from .server import open_http_server
 from .settings import ServerSettings
 
-__all__ = ["build_parser", "main", "run_server"]
+__all__ = ["build_parser", "configure_logging", "main", "run_server"]
 
 LOGGER = logging.getLogger("tributary.cli")
 
@@ -85,6 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default=http.log_level, choices=["debug", "info", "warning", "error"]
     )
+    p.add_argument(
+        "--log-format",
+        default=http.log_format,
+        choices=["text", "json"],
+        help="json: one JSON object per log line (access lines carry their fields)",
+    )
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="put each request's prompt in its access log line (off: prompts are never logged)",
+    )
+    p.add_argument("--disable-metrics", action="store_true", help="no GET /metrics")
+    p.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="accepted for SGLang command lines; metrics are on unless --disable-metrics",
+    )
+    p.add_argument(
+        "--enable-request-timing",
+        action="store_true",
+        help="terminal meta_info (and /v1 `timings`) carry time to first token, queue, "
+        "prefill and decode time",
+    )
     bench_cli.add_arguments(
         commands.add_parser("bench", help="benchmark a server over HTTP (see docs/benchmarks)")
     )
@@ -115,8 +139,22 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
         log_level=args.log_level,
+        log_format=args.log_format,
+        log_requests=args.log_requests,
+        enable_metrics=not args.disable_metrics,
+        enable_request_timing=args.enable_request_timing,
     )
     return engine_config, settings
+
+
+def configure_logging(settings: ServerSettings) -> None:
+    """stderr at `settings.log_level`, as text or one JSON object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
 
 
 async def run_server(engine_config: engine.EngineConfig, settings: ServerSettings) -> None:
@@ -165,11 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a flag value the engine cannot run with
         print(f"tributary: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings)
     failures: list[BaseException] = []
     try:
         trio.run(run_server, engine_config, settings)

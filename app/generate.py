@@ -20,6 +20,7 @@ from tributary.engine import Done, Engine, Error, GenerateRequest, QueueFull, Re
 
 from .asgi import Closeable
 from .errors import abort_status, error_object
+from .exchange import Exchange
 from .limits import Deadline
 from .normalize import normalize_generate
 from .output import LogprobFormat, OutputAccumulator, json_response
@@ -58,45 +59,54 @@ async def drain_unary(
     *,
     weight_version: str,
     logprobs: LogprobFormat | None = None,
+    timing_detail: bool = False,
 ) -> tuple[int, dict[str, Any]]:
-    """Read one item to its terminal output; return (HTTP status, response object)."""
+    """Read one item to its terminal output; return (HTTP status, response object).
+    `timing` is this item's (`RequestTiming.for_item`); with `timing_detail` the answer's
+    `meta_info` carries the request's phases too."""
     acc = OutputAccumulator(
         stream.rid, stream.prompt_tokens, weight_version=weight_version, logprobs=logprobs
     )
     async with stream:
         async for item in stream:
+            timing.observe(item)
             if isinstance(item, Error):
-                timing.finish()
                 return item.error.http_status, error_object(
                     item.error.message, item.error.http_status
                 )
-            timing.observe_first_output()
             acc.add(item)
             if isinstance(item, Done):
-                timing.finish()
                 aborted = abort_status(item.finish_reason)
                 if aborted is not None:
                     return aborted[0], error_object(aborted[1], aborted[0])
                 return 200, acc.cumulative(
-                    finish_reason=item.finish_reason, e2e_latency=timing.e2e_latency
+                    finish_reason=item.finish_reason,
+                    e2e_latency=timing.e2e_latency,
+                    timing=timing.detail() if timing_detail else None,
                 )
     raise AssertionError("a RequestStream always ends with Done or Error")
 
 
 async def drain_batch(
     streams: Sequence[RequestStream],
-    timing: RequestTiming,
+    timings: Sequence[RequestTiming],
     *,
     weight_version: str,
     logprobs: Sequence[LogprobFormat | None] | None = None,
+    timing_detail: bool = False,
 ) -> list[dict[str, Any]]:
-    """Drain every item concurrently; results keep request order, failures are entries."""
+    """Drain every item concurrently (`timings[i]` is item i's); results keep request
+    order, failures are entries."""
     results: list[dict[str, Any]] = [{} for _ in streams]
     formats = logprobs or [None] * len(streams)
 
     async def drain_into(i: int) -> None:
         _, results[i] = await drain_unary(
-            streams[i], timing.for_item(), weight_version=weight_version, logprobs=formats[i]
+            streams[i],
+            timings[i],
+            weight_version=weight_version,
+            logprobs=formats[i],
+            timing_detail=timing_detail,
         )
 
     async with trio.open_nursery() as nursery:
@@ -110,6 +120,7 @@ async def handle_generate(
     settings: ServerSettings,
     body: Any,
     cleanup: list[Closeable],
+    exchange: Exchange | None = None,
     *,
     deadline: Deadline | None = None,
 ) -> Response:
@@ -123,8 +134,9 @@ async def handle_generate(
         vocab_size=engine.model_info.vocab_size,
         max_items=engine.capacity,
     )
-    timing = RequestTiming.start()
+    timing = RequestTiming.start(exchange)
     weight_version = settings.weight_version
+    detail = settings.enable_request_timing
     try:
         streams = submit_all(engine, req.items, deadline)
     except QueueFull as exc:
@@ -134,23 +146,31 @@ async def handle_generate(
             req.items, exc, timing, batch=req.is_batch, weight_version=weight_version
         )
     cleanup.extend(streams)
+    timings = [timing.for_item(s, item) for s, item in zip(streams, req.items, strict=True)]
     formats = logprob_formats(engine, req.items, with_text=req.text_in_logprobs)
     if req.stream:
         return event_stream_response(
             streams,
-            timing,
+            timings,
             batch=req.is_batch,
             incremental=settings.incremental_streaming_output,
             weight_version=weight_version,
             logprobs=formats,
+            timing_detail=detail,
         )
     if not req.is_batch:
         status, obj = await drain_unary(
-            streams[0], timing, weight_version=weight_version, logprobs=formats[0]
+            streams[0],
+            timings[0],
+            weight_version=weight_version,
+            logprobs=formats[0],
+            timing_detail=detail,
         )
         return json_response(obj, status=status)
     return json_response(
-        await drain_batch(streams, timing, weight_version=weight_version, logprobs=formats)
+        await drain_batch(
+            streams, timings, weight_version=weight_version, logprobs=formats, timing_detail=detail
+        )
     )
 
 

@@ -6,10 +6,11 @@ built as ordered dicts and encoded with `encode_json`, never through a key-sorti
 `meta_info` keys, in order::
 
     id, finish_reason, prompt_tokens, weight_version, num_retractions, reasoning_tokens,
-    completion_tokens, cached_tokens[, logprob families][, e2e_latency]
+    completion_tokens, cached_tokens[, logprob families][, e2e_latency][, timing detail]
 
 `finish_reason` is null on non-terminal stream frames, and `e2e_latency` appears only on a
-terminal output.
+terminal output; so does the timing detail (`RequestTiming.detail`), and only with
+`enable_request_timing`.
 
 Logprob families (with `return_logprob`), SGLang's: `input_token_logprobs`,
 `output_token_logprobs`, `output_token_logprobs_length`, then `input_top_logprobs` and
@@ -69,6 +70,7 @@ def output_object(
     e2e_latency: float | None = None,
     index: int | None = None,
     logprobs: dict[str, Any] | None = None,
+    timing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
@@ -84,6 +86,8 @@ def output_object(
         meta.update(logprobs)
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
+    if timing is not None:
+        meta.update(timing)
     obj: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
     if index is not None:
         obj["index"] = index
@@ -206,10 +210,11 @@ class OutputAccumulator:
         finish_reason: FinishReason | None = None,
         e2e_latency: float | None = None,
         index: int | None = None,
+        timing: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         logprobs = self._logprobs.meta() if self._logprobs is not None else None
         return self._object(
-            self.text, list(self.output_ids), finish_reason, e2e_latency, index, logprobs
+            self.text, list(self.output_ids), finish_reason, e2e_latency, index, logprobs, timing
         )
 
     def delta(
@@ -219,12 +224,13 @@ class OutputAccumulator:
         finish_reason: FinishReason | None = None,
         e2e_latency: float | None = None,
         index: int | None = None,
+        timing: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The incremental shape: this item's text, ids and output logprobs (the last item
         added), cumulative counts."""
         logprobs = self._logprobs.meta(self._last_delta) if self._logprobs is not None else None
         return self._object(
-            item.text, list(item.output_ids), finish_reason, e2e_latency, index, logprobs
+            item.text, list(item.output_ids), finish_reason, e2e_latency, index, logprobs, timing
         )
 
     def _object(
@@ -235,6 +241,7 @@ class OutputAccumulator:
         e2e_latency: float | None,
         index: int | None,
         logprobs: dict[str, Any] | None,
+        timing: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         return output_object(
             rid=self.rid,
@@ -248,4 +255,5 @@ class OutputAccumulator:
             e2e_latency=e2e_latency,
             index=index,
             logprobs=logprobs,
+            timing=timing,
         )

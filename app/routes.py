@@ -29,8 +29,10 @@ from tributary.engine import Engine, EngineClosed, EngineError
 from .admin import ADMIN_PATHS, admin_blueprint
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
 from .errors import engine_error_response, error_response
+from .exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
 from .generate import handle_generate
 from .limits import TIMEOUT_HEADER, Deadline
+from .metrics import Metrics
 from .normalize import read_json_body
 from .openai import openai_blueprint
 from .openai.errors import StatusError, Unauthorized, openai_error_response
@@ -42,9 +44,6 @@ __all__ = ["create_app"]
 
 LOGGER = logging.getLogger("tributary.app")
 
-#: Routes that start generations: refused with 503 once a graceful shutdown has begun.
-_GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
-
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartTrio:
     """Build the app for `engine`. The caller keeps the engine open while the app serves."""
@@ -55,11 +54,26 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     # Checked as the body arrives, before it is buffered whole (limits.py).
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     state = ServerState(engine, settings)
+    if settings.enable_metrics:
+        model_name = engine.config.served_model_name or engine.model_info.name
+        state.metrics = Metrics(engine, model_name=model_name)
     state.attach(app)
-    app.asgi_app = ShieldFinalSend(CloseOwned(app.asgi_app))  # type: ignore[method-assign, assignment]
+    app.asgi_app = ObserveExchanges(  # type: ignore[method-assign, assignment]
+        ShieldFinalSend(CloseOwned(app.asgi_app)),
+        state.metrics,
+        log_requests=settings.log_requests,
+    )
     app.register_blueprint(admin_blueprint(engine, state))
     app.register_blueprint(openai_blueprint(engine, settings))
     app.register_blueprint(tokenize_blueprint(engine))
+
+    @app.before_request
+    async def name_the_endpoint() -> None:
+        # /metrics and the access log name a route by its rule, so `/v1/models/<id>` is one
+        # series whatever ids clients ask for; a path no route matches is "unmatched".
+        exchange = exchange_of(request.scope)
+        if exchange is not None and request.url_rule is not None:
+            exchange.endpoint = request.url_rule.rule
 
     if settings.api_key or settings.admin_api_key:
         api_key = settings.api_key.encode() if settings.api_key else None
@@ -82,7 +96,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     async def refuse_new_work_while_draining() -> None:
         # Keep-alive connections can still carry new requests after shutdown began; they
         # would only be aborted at the deadline, so say no now (health probes still answer).
-        if state.draining and request.path in _GENERATION_PATHS:
+        if state.draining and request.path in GENERATION_PATHS:
             raise EngineClosed("The server is shutting down.")
 
     @app.route("/generate", methods=["POST", "PUT"])
@@ -90,8 +104,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
         deadline = Deadline.for_request(settings, request.headers.get(TIMEOUT_HEADER))
         with deadline.applied():
             body = await read_json_body()
-        owned = owned_by_request(request.scope)
-        return await handle_generate(engine, settings, body, owned, deadline=deadline)
+        return await handle_generate(
+            engine,
+            settings,
+            body,
+            owned_by_request(request.scope),
+            exchange_of(request.scope),
+            deadline=deadline,
+        )
 
     # Errors of requests that no blueprint routed (unknown /v1 paths, wrong methods, a missing
     # API key there) reach these app-level handlers: under /v1 they answer in OpenAI's error

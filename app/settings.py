@@ -50,6 +50,16 @@ class ServerSettings:
     max_request_bytes: int = 4 * 1024 * 1024
     #: Logged by `tributary serve`; the library never configures logging itself.
     log_level: str = "info"
+    #: `tributary serve`'s log lines: "text", or "json" (one JSON object per line).
+    log_format: str = "text"
+    #: Put each request's prompt (text or token ids) in its access log line.
+    log_requests: bool = False
+    #: Serve `GET /metrics` (Prometheus) and collect its numbers (`--disable-metrics`: off).
+    enable_metrics: bool = True
+    #: Terminal `meta_info` (and `/v1` responses' `timings`) carry the request's phases:
+    #: time to first token, queue, prefill and decode time (docs/operations.md). Off by
+    #: default, so responses stay byte-compatible with SGLang's.
+    enable_request_timing: bool = False
 
     def __post_init__(self) -> None:
         timeout = self.request_timeout

@@ -5,7 +5,8 @@ Each event is `data: <json>\\n\\n`; the stream ends with one `data: [DONE]\\n\\n
 - Cumulative mode (default): a frame carries all text and ids so far. Items that queued up
   while the client was reading are coalesced into one frame per request item.
 - Incremental mode: every delta is its own frame; counts stay cumulative.
-- The terminal frame of each item (finish_reason set) alone carries `e2e_latency`.
+- The terminal frame of each item (finish_reason set) alone carries `e2e_latency` (and, with
+  `timing_detail`, the request's phases: `RequestTiming.detail`).
 - A batch (or n > 1) interleaves its items' frames, each tagged with `index`.
 - A failure (an `Error` item, or an abort carrying a status code) becomes an
   `{"error": {...}}` item, after any output not yet sent; the other items carry on.
@@ -29,7 +30,6 @@ from quart import Response
 from quart.wrappers.response import DataBody
 
 from tributary.engine import (
-    Done,
     EngineError,
     Error,
     Frame,
@@ -60,12 +60,13 @@ def sse_event(obj: Any) -> bytes:
 
 def event_stream_response(
     streams: Sequence[RequestStream],
-    timing: RequestTiming,
+    timing: RequestTiming | Sequence[RequestTiming],
     *,
     batch: bool,
     incremental: bool,
     weight_version: str,
     logprobs: Sequence[LogprobFormat | None] | None = None,
+    timing_detail: bool = False,
 ) -> Response:
     return sse_response(
         EventStreamBody(
@@ -75,6 +76,7 @@ def event_stream_response(
             incremental=incremental,
             weight_version=weight_version,
             logprobs=logprobs,
+            timing_detail=timing_detail,
         )
     )
 
@@ -89,31 +91,35 @@ def refused_stream_response(
 ) -> Response:
     """SGLang's stream for requests refused before they ran (a full queue): its scheduler
     aborts each one with the status in the finish_reason, and the stream passes that abort on
-    as an ordinary terminal frame, so the HTTP status is 200. Nothing was submitted."""
-    timing.finish()
+    as an ordinary terminal frame, so the HTTP status is 200. Nothing was submitted.
+
+    Each item is an answer carrying `e2e_latency`, so /metrics counts it as one."""
     reason = {
         "type": "abort",
         "message": error.message,
         "status_code": error.http_status,
         "err_type": None,
     }
-    frames = [
-        sse_event(
-            output_object(
-                rid=item.rid if item.rid is not None else uuid.uuid4().hex,
-                text="",
-                output_ids=[],
-                prompt_tokens=0,
-                completion_tokens=0,
-                cached_tokens=0,
-                finish_reason=reason,
-                weight_version=weight_version,
-                e2e_latency=timing.e2e_latency,
-                index=i if batch else None,
-            )
+    frames = []
+    for i, item in enumerate(items):
+        refused = timing.for_item(request=item)
+        refused.rid = item.rid if item.rid is not None else uuid.uuid4().hex
+        refused.finish()
+        refused.finish_reason = reason
+        refused.count_answer()
+        frame = output_object(
+            rid=refused.rid,
+            text="",
+            output_ids=[],
+            prompt_tokens=0,
+            completion_tokens=0,
+            cached_tokens=0,
+            finish_reason=reason,
+            weight_version=weight_version,
+            e2e_latency=refused.e2e_latency,
+            index=i if batch else None,
         )
-        for i, item in enumerate(items)
-    ]
+        frames.append(sse_event(frame))
     return sse_response(DataBody(b"".join([*frames, DONE])))
 
 
@@ -121,14 +127,23 @@ class EventStreamBody(MultiplexedBody):
     def __init__(
         self,
         streams: Sequence[RequestStream],
-        timing: RequestTiming,
+        timing: RequestTiming | Sequence[RequestTiming],
         *,
         batch: bool,
         incremental: bool,
         weight_version: str,
         logprobs: Sequence[LogprobFormat | None] | None = None,
+        timing_detail: bool = False,
     ) -> None:
-        self._timings = [timing.for_item() for _ in streams]  # before items are delivered
+        """`timing`: one per stream (`RequestTiming.for_item`), or the request's, from which
+        each stream gets its own."""
+        # Set before super().__init__, which delivers the items already waiting.
+        self._timings = (
+            [timing.for_item(s) for s in streams]
+            if isinstance(timing, RequestTiming)
+            else list(timing)
+        )
+        self._timing_detail = timing_detail
         self._accs = [
             OutputAccumulator(s.rid, s.prompt_tokens, weight_version=weight_version, logprobs=fmt)
             for s, fmt in zip(streams, logprobs or [None] * len(streams), strict=True)
@@ -139,11 +154,7 @@ class EventStreamBody(MultiplexedBody):
         super().__init__(streams)
 
     def on_item(self, index: int, item: Output) -> None:
-        timing = self._timings[index]
-        if not isinstance(item, Error):
-            timing.observe_first_output()
-        if isinstance(item, Done | Error):
-            timing.finish()
+        self._timings[index].observe(item)
 
     async def __anext__(self) -> bytes:
         while not self._ended:
@@ -193,12 +204,16 @@ class EventStreamBody(MultiplexedBody):
                     out.append(sse_event(pending))
                 out.append(sse_event(error_object(aborted[1], aborted[0], index=tag)))
                 continue
-            latency = self._timings[index].e2e_latency
+            timing = self._timings[index]
+            latency = timing.e2e_latency
+            detail = timing.detail() if self._timing_detail else None
             reason = item.finish_reason
             final = (
-                acc.delta(item, finish_reason=reason, e2e_latency=latency, index=tag)
+                acc.delta(item, finish_reason=reason, e2e_latency=latency, index=tag, timing=detail)
                 if self._incremental
-                else acc.cumulative(finish_reason=reason, e2e_latency=latency, index=tag)
+                else acc.cumulative(
+                    finish_reason=reason, e2e_latency=latency, index=tag, timing=detail
+                )
             )
             out.append(sse_event(final))
         for index in unsent:

@@ -9,6 +9,7 @@ from quart_trio import QuartTrio
 
 from tributary.engine import Engine
 
+from .metrics import Metrics
 from .settings import ServerSettings
 
 __all__ = ["ServerState", "server_state"]
@@ -27,6 +28,8 @@ class ServerState:
     draining: bool = False
     #: The URLs `open_http_server` bound (with port 0, the real port).
     urls: list[str] = dataclasses.field(default_factory=list)
+    #: What `/metrics` serves (None with `enable_metrics` off).
+    metrics: Metrics | None = None
 
     def attach(self, app: QuartTrio) -> None:
         app.extensions[_STATE_KEY] = self

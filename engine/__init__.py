@@ -15,6 +15,7 @@ Synopsis::
 from .config import EngineConfig as EngineConfig
 from .config import SimLatency as SimLatency
 from .core import Engine as Engine
+from .core import EngineLoad as EngineLoad
 from .core import open_engine as open_engine
 from .errors import BadRequest as BadRequest
 from .errors import ContextLengthExceeded as ContextLengthExceeded

@@ -38,7 +38,7 @@ from .scheduler import Scheduler, Sequence
 from .service_nursery import open_service_nursery
 from .stream import RequestStream, open_output_channel
 
-__all__ = ["Engine", "IdleReport", "open_engine"]
+__all__ = ["Engine", "EngineLoad", "IdleReport", "open_engine"]
 
 
 @asynccontextmanager
@@ -92,6 +92,15 @@ async def open_runner(config: EngineConfig) -> Runner:
             fail_at_step=config.sim_fail_at_step,
         )
     raise ValueError(f"unknown runner {config.runner!r}; expected 'llama' or 'sim'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineLoad:
+    """The load a router balances on (SGLang's `GetLoadReqOutput`)."""
+
+    num_reqs: int  # running (not aborted) plus waiting
+    num_waiting_reqs: int  # submitted, not yet admitted
+    num_tokens: int  # KV cells in use plus the prompt tokens of waiting requests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +159,20 @@ class Engine:
         """Seconds the slowest of the recent steps took (0 before the first step): how long
         an abort may wait for the step boundary that acts on it."""
         return max(self._scheduler.step_times, default=0.0)
+
+    def load(self) -> EngineLoad:
+        """What SGLang's `/get_load` reports, from the scheduler's live state: a request
+        whose client left stops counting at once (its sequence is marked), and its KV cells
+        at the next step boundary, when they are freed."""
+        scheduler = self._scheduler
+        waiting = len(scheduler.waiting)
+        running = sum(1 for seq in scheduler.running if seq.abort is None)
+        queued_tokens = sum(len(seq.prompt_ids) for seq in scheduler.waiting)
+        return EngineLoad(
+            num_reqs=running + waiting,
+            num_waiting_reqs=waiting,
+            num_tokens=self._runner.kv_used_cells() + queued_tokens,
+        )
 
     def idle_report(self) -> IdleReport:
         """What the engine still holds for requests, for leak checks in tests: every field is
@@ -213,6 +236,7 @@ class Engine:
             raise DuplicateRequestId(rid)
         max_new = _check_context(len(prompt_ids), params.max_new_tokens, info.context_length)
         if self._scheduler.queue_depth() >= self.config.max_queued_requests:
+            self._scheduler.aborted_requests += 1
             raise QueueFull("The request queue is full.")  # SGLang's words; clients match them
         hooks = self._hooks(request, prompt_ids, rid)
         sender, receiver = open_output_channel(rid)

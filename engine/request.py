@@ -132,6 +132,11 @@ class Done:
     cached_tokens: int
     finish_reason: FinishReason
     logprobs: Logprobs | None = None
+    #: Trio clock (`trio.current_time()`) when the request left the waiting queue for a
+    #: running slot (None: it never did, e.g. aborted while waiting).
+    admitted_at: float | None = None
+    #: Trio clock when its first output token was sampled (None: no token was).
+    first_token_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -168,3 +173,6 @@ class EngineStats:
     kv_total_cells: int
     steps: int  # scheduler steps run so far
     generated_tokens: int  # tokens sampled so far, all requests
+    #: Requests that ended aborted (any abort finish_reason: /abort_request, a client that
+    #: left, shutdown) or were refused by a full queue, since the engine opened.
+    aborted_requests: int = 0

@@ -81,6 +81,9 @@ class Sequence:
         #: Set by Engine.abort; acted on at the next step boundary.
         self.abort: FinishReason | None = None
         self.finished = False
+        #: Trio clock at admission to a running slot, and at the first sampled token.
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
 
     def send(self, item: Output) -> None:
         self.sender.send(item)
@@ -114,6 +117,8 @@ class Sequence:
                 *self._counts(),
                 finish_reason=reason,
                 logprobs=self._logprobs(),
+                admitted_at=self.admitted_at,
+                first_token_at=self.first_token_at,
             )
         )
         self.sender.close()
@@ -155,6 +160,8 @@ class Scheduler:
         self.generated_tokens = 0
         #: Seconds the last STEP_WINDOW steps took on the runner (failed ones included).
         self.step_times: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        #: Requests refused (queue full) or ended with an abort finish_reason.
+        self.aborted_requests = 0
 
     # -- called from other tasks (synchronous, never blocks) ----------------------------
 
@@ -195,6 +202,7 @@ class Scheduler:
             kv_total_cells=self.kv_total_cells,
             steps=self.steps,
             generated_tokens=self.generated_tokens,
+            aborted_requests=self.aborted_requests,
         )
 
     # -- the scheduler task -------------------------------------------------------------
@@ -232,8 +240,10 @@ class Scheduler:
             self._finish(seq, seq.abort or abort_reason())
 
     def _admit(self) -> None:
+        now = trio.current_time() if self.waiting else 0.0
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
+            seq.admitted_at = now
             if seq.max_new_tokens == 0 and not seq.scores_prompt:
                 self._finish(seq, length_reason(0))
                 continue
@@ -314,6 +324,7 @@ class Scheduler:
         self, sampling: list[Sequence], sampled: list[int], stepped: list[Sequence]
     ) -> None:
         self.generated_tokens += len(sampled)
+        now = trio.current_time()
         for seq in stepped:
             if seq.abort is None and seq.hooks is not None and seq.hooks.failure is not None:
                 self._fail(seq, seq.hooks.failure)
@@ -330,6 +341,8 @@ class Scheduler:
                 if seq.hooks is not None and seq.hooks.logprobs is not None:
                     seq.hooks.logprobs.drop_last_output()
                 continue
+            if not seq.output_ids:
+                seq.first_token_at = now
             seq.output_ids.append(token)
             try:
                 reason = self._check_finished(seq, token)
@@ -367,6 +380,8 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if reason["type"] == "abort":
+            self.aborted_requests += 1
         self._release(seq)
         seq.emit_done(reason)
         self._forget(seq)

@@ -30,14 +30,17 @@ from quart import Response
 
 from tributary.engine import Done, Frame
 
+from ..exchange import Exchange
 from ..generate import submit_all
 from ..limits import Deadline
 from ..output import json_response
+from ..timing import RequestTiming
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import TokenSpeller, chat_logprob_content
 from .protocol import ChatRequest, parse_chat
 from .served import ServedModel
 from .streaming import chunk_stream_response
+from .timings import llama_timings
 
 __all__ = ["create_chat_completion", "render_chat_prompt"]
 
@@ -49,7 +52,12 @@ def render_chat_prompt(served: ServedModel, req: ChatRequest) -> list[int]:
 
 
 async def create_chat_completion(
-    served: ServedModel, body: Any, owned: list[Any], *, deadline: Deadline | None = None
+    served: ServedModel,
+    body: Any,
+    owned: list[Any],
+    exchange: Exchange | None = None,
+    *,
+    deadline: Deadline | None = None,
 ) -> Response:
     """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
     past `deadline`, a 408 (the status, or a stream's error event)."""
@@ -57,13 +65,17 @@ async def create_chat_completion(
     req = parse_chat(body, vocab_size=engine.model_info.vocab_size)
     served.check_model(req.model)
     served.check_max_tokens(req)
+    timing = RequestTiming.start(exchange)
     prompt_ids = render_chat_prompt(served, req)
-    streams = submit_all(engine, served.expand([prompt_ids], req), deadline)
+    items = served.expand([prompt_ids], req)
+    streams = submit_all(engine, items, deadline)
     owned.extend(streams)
+    timings = [timing.for_item(s, item) for s, item in zip(streams, items, strict=True)]
     head = served.response_head("chatcmpl", "chat.completion", req)
     if req.stream:
-        return chunk_stream_response(streams, _Chunks(head, req, served.speller))
-    choices = await collect(streams)
+        renderer = _Chunks(head, req, served.speller)
+        return chunk_stream_response(streams, renderer, timings, timing_detail=served.timing_detail)
+    choices = await collect(streams, timings)
     return json_response(
         {
             **head,
@@ -87,6 +99,7 @@ async def create_chat_completion(
                 for i, choice in enumerate(choices)
             ],
             "usage": usage_object(choices, n=req.n),
+            **({"timings": llama_timings(timings)} if served.timing_detail else {}),
         }
     )
 
@@ -95,7 +108,7 @@ class _Chunks:
     def __init__(self, head: dict[str, Any], req: ChatRequest, speller: TokenSpeller) -> None:
         self._head = {**head, "object": "chat.completion.chunk"}
         self._n = req.n
-        self._include_usage = req.include_usage
+        self.include_usage = req.include_usage
         self._speller = speller if req.logprobs is not None else None
         self._started: set[int] = set()
 
@@ -115,7 +128,7 @@ class _Chunks:
         return chunks
 
     def on_end(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
-        if not self._include_usage:
+        if not self.include_usage:
             return []
         return [{**self._head, "choices": [], "usage": usage_object(choices, n=self._n)}]
 
@@ -134,6 +147,6 @@ class _Chunks:
             **(finish or {"finish_reason": None}),
         }
         chunk = {**self._head, "choices": [choice]}
-        if self._include_usage:
+        if self.include_usage:
             chunk["usage"] = None
         return chunk

@@ -32,6 +32,7 @@ from tributary.engine import (
 )
 
 from ..errors import abort_status
+from ..timing import RequestTiming
 from .errors import StatusError
 
 __all__ = ["Choice", "collect", "finish_fields", "usage_object"]
@@ -90,13 +91,19 @@ def usage_object(choices: Sequence[Choice], *, n: int) -> dict[str, Any]:
     }
 
 
-async def collect(streams: Sequence[RequestStream]) -> list[Choice]:
+async def collect(
+    streams: Sequence[RequestStream], timings: Sequence[RequestTiming] | None = None
+) -> list[Choice]:
+    """`timings[i]`, when given, observes choice i's items as they arrive."""
     choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
     failures: list[EngineError | None] = [None] * len(streams)
 
     async def drain(i: int, cancel_scope: trio.CancelScope) -> None:
+        timing = timings[i] if timings is not None else None
         async with streams[i] as stream:
             async for item in stream:
+                if timing is not None:
+                    timing.observe(item)
                 failure = choices[i].add(item)
                 if failure is not None:
                     failures[i] = failure

@@ -30,20 +30,28 @@ from quart import Response
 
 from tributary.engine import Done, Frame
 
+from ..exchange import Exchange
 from ..generate import submit_all
 from ..limits import Deadline
 from ..output import json_response
+from ..timing import RequestTiming
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import CompletionLogprobs, merge_completion_logprobs
 from .protocol import CompletionRequest, parse_completion
 from .served import ServedModel
 from .streaming import chunk_stream_response
+from .timings import llama_timings
 
 __all__ = ["create_completion"]
 
 
 async def create_completion(
-    served: ServedModel, body: Any, owned: list[Any], *, deadline: Deadline | None = None
+    served: ServedModel,
+    body: Any,
+    owned: list[Any],
+    exchange: Exchange | None = None,
+    *,
+    deadline: Deadline | None = None,
 ) -> Response:
     """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
     past `deadline`, a 408 (the status, or a stream's error event)."""
@@ -52,13 +60,17 @@ async def create_completion(
     served.check_model(req.model)
     served.check_max_tokens(req)
     echoes = _echoes(served, req) if req.echo else None
-    streams = submit_all(engine, served.expand(req.prompts, req), deadline)
+    timing = RequestTiming.start(exchange)
+    items = served.expand(req.prompts, req)
+    streams = submit_all(engine, items, deadline)
     owned.extend(streams)
+    timings = [timing.for_item(s, item) for s, item in zip(streams, items, strict=True)]
     head = served.response_head("cmpl", "text_completion", req)
     shapers = _logprob_shapers(served, req, echoes, len(streams))
     if req.stream:
-        return chunk_stream_response(streams, _Chunks(head, req, echoes, shapers))
-    choices = await collect(streams)
+        renderer = _Chunks(head, req, echoes, shapers)
+        return chunk_stream_response(streams, renderer, timings, timing_detail=served.timing_detail)
+    choices = await collect(streams, timings)
     return json_response(
         {
             **head,
@@ -76,6 +88,7 @@ async def create_completion(
                 for i, choice in enumerate(choices)
             ],
             "usage": usage_object(choices, n=req.n),
+            **({"timings": llama_timings(timings)} if served.timing_detail else {}),
         }
     )
 
@@ -112,7 +125,7 @@ class _Chunks:
     ) -> None:
         self._head = head
         self._n = req.n
-        self._include_usage = req.include_usage
+        self.include_usage = req.include_usage
         self._pending_echo = dict(enumerate(echoes)) if echoes else {}
         self._shapers = shapers
 
@@ -128,7 +141,7 @@ class _Chunks:
         return [self._chunk(index, text, logprobs, finish_fields(choice.finish_reason))]
 
     def on_end(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
-        if not self._include_usage:
+        if not self.include_usage:
             return []
         return [{**self._head, "choices": [], "usage": usage_object(choices, n=self._n)}]
 
@@ -143,6 +156,6 @@ class _Chunks:
             **self._head,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, **finish}],
         }
-        if self._include_usage:
+        if self.include_usage:
             chunk["usage"] = None
         return chunk

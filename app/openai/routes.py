@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 from tributary.engine import Engine, EngineError
 
 from ..asgi import owned_by_request
+from ..exchange import exchange_of
 from ..limits import TIMEOUT_HEADER, Deadline
 from ..normalize import read_json_body
 from ..output import json_response
@@ -35,8 +36,8 @@ LOGGER = logging.getLogger("tributary.openai")
 
 def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> Blueprint:
     """The OpenAI-compatible API for `engine`; register it on the app serving that engine."""
-    served = ServedModel.for_engine(engine)
     http = settings or ServerSettings()
+    served = ServedModel.for_engine(engine, timing_detail=http.enable_request_timing)
     bp = Blueprint("openai", __name__, url_prefix="/v1")
 
     @bp.route("/completions", methods=["POST"])
@@ -44,16 +45,20 @@ def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> 
         deadline = Deadline.for_request(http, request.headers.get(TIMEOUT_HEADER))
         with deadline.applied():
             body = await read_json_body()
-        owned = owned_by_request(request.scope)
-        return await create_completion(served, body, owned, deadline=deadline)
+        scope = request.scope
+        return await create_completion(
+            served, body, owned_by_request(scope), exchange_of(scope), deadline=deadline
+        )
 
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
         deadline = Deadline.for_request(http, request.headers.get(TIMEOUT_HEADER))
         with deadline.applied():
             body = await read_json_body()
-        owned = owned_by_request(request.scope)
-        return await create_chat_completion(served, body, owned, deadline=deadline)
+        scope = request.scope
+        return await create_chat_completion(
+            served, body, owned_by_request(scope), exchange_of(scope), deadline=deadline
+        )
 
     @bp.route("/models", methods=["GET"])
     async def models() -> Response:

@@ -42,9 +42,11 @@ class ServedModel:
     template: ChatTemplate | None
     #: How logprob entries spell token ids.
     speller: TokenSpeller
+    #: Responses carry a `timings` object (`enable_request_timing`).
+    timing_detail: bool = False
 
     @classmethod
-    def for_engine(cls, engine: Engine) -> ServedModel:
+    def for_engine(cls, engine: Engine, *, timing_detail: bool = False) -> ServedModel:
         """Look the model up once. A template that does not compile is logged and treated as
         absent, so chat answers a clear 400 instead of failing on every request."""
         info = engine.model_info
@@ -59,6 +61,7 @@ class ServedModel:
             created=int(time.time()),
             template=template,
             speller=TokenSpeller(engine),
+            timing_detail=timing_detail,
         )
 
     @property

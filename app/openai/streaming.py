@@ -21,17 +21,22 @@ from typing import Any, Protocol
 
 from quart import Response
 
-from tributary.engine import Done, Error, Frame, RequestStream
+from tributary.engine import Done, Error, Frame, Output, RequestStream
 
 from ..multiplex import MultiplexedBody, sse_response
 from ..sse import DONE, sse_event
+from ..timing import RequestTiming
 from .choices import Choice
 from .errors import openai_error_object
+from .timings import llama_timings
 
 __all__ = ["ChunkRenderer", "ChunkStreamBody", "chunk_stream_response"]
 
 
 class ChunkRenderer(Protocol):
+    #: A last chunk with the usage follows every choice's end (`on_end`).
+    include_usage: bool
+
     def on_output(self, index: int, item: Frame | Done, choice: Choice) -> list[dict[str, Any]]:
         """Chunks for one engine item of choice `index` (`choice` already includes it)."""
         ...
@@ -41,23 +46,55 @@ class ChunkRenderer(Protocol):
         ...
 
 
-def chunk_stream_response(streams: Sequence[RequestStream], renderer: ChunkRenderer) -> Response:
-    return sse_response(ChunkStreamBody(streams, renderer))
+def chunk_stream_response(
+    streams: Sequence[RequestStream],
+    renderer: ChunkRenderer,
+    timings: Sequence[RequestTiming] | None = None,
+    *,
+    timing_detail: bool = False,
+) -> Response:
+    return sse_response(ChunkStreamBody(streams, renderer, timings, timing_detail=timing_detail))
 
 
 class ChunkStreamBody(MultiplexedBody):
-    def __init__(self, streams: Sequence[RequestStream], renderer: ChunkRenderer) -> None:
+    """`timings[i]` (when given) observes choice i's items; with `timing_detail`, the usage
+    chunk, or without one the last choice's finishing chunk, carries `timings`."""
+
+    def __init__(
+        self,
+        streams: Sequence[RequestStream],
+        renderer: ChunkRenderer,
+        timings: Sequence[RequestTiming] | None = None,
+        *,
+        timing_detail: bool = False,
+    ) -> None:
         self._renderer = renderer
         self._choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
+        self._timings = list(timings) if timings is not None else None
+        self._timing_detail = timing_detail and self._timings is not None
         self._ended = False
         super().__init__(streams)
+
+    def on_item(self, index: int, item: Output) -> None:
+        if self._timings is not None:
+            self._timings[index].observe(item)
+
+    def _attach_timings(self, chunks: list[dict[str, Any]]) -> None:
+        if self._timing_detail and chunks and self._timings is not None:
+            chunks[-1]["timings"] = llama_timings(self._timings)
+
+    def _end(self) -> list[dict[str, Any]]:
+        """The chunks after every choice finished (the usage chunk, carrying `timings`)."""
+        end = self._renderer.on_end(self._choices)
+        self._attach_timings(end)
+        return end
 
     async def __anext__(self) -> bytes:
         while not self._ended:
             backlog = await self.next_backlog()
             if backlog is None:
                 self._ended = True
-                return self._events(self._renderer.on_end(self._choices)) + DONE
+                return self._events(self._end()) + DONE
             chunks: list[dict[str, Any]] = []
             for index, item in backlog:
                 choice = self._choices[index]
@@ -66,10 +103,17 @@ class ChunkStreamBody(MultiplexedBody):
                     self._ended = True
                     return self._events([*chunks, openai_error_object(failure)]) + DONE
                 assert not isinstance(item, Error)  # add() reports every Error as a failure
-                chunks.extend(self._renderer.on_output(index, item, choice))
+                rendered = self._renderer.on_output(index, item, choice)
+                if (
+                    isinstance(item, Done)
+                    and not self._renderer.include_usage
+                    and all(c.finish_reason is not None for c in self._choices)
+                ):
+                    self._attach_timings(rendered)
+                chunks.extend(rendered)
             if self.exhausted:  # the last terminal item: the end goes in the same write
                 self._ended = True
-                return self._events([*chunks, *self._renderer.on_end(self._choices)]) + DONE
+                return self._events([*chunks, *self._end()]) + DONE
             if chunks:
                 return self._events(chunks)
         raise StopAsyncIteration

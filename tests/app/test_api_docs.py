@@ -44,7 +44,7 @@ def test_the_page_has_examples_for_every_endpoint() -> None:
     text = " ".join(command for command, _ in curl_examples())
     for path in [
         "/generate", "/health", "/health_generate", "/get_model_info", "/get_server_info",
-        "/abort_request", "/flush_cache", "/tokenize", "/detokenize",
+        "/abort_request", "/flush_cache", "/tokenize", "/detokenize", "/get_load", "/metrics",
     ]:  # fmt: skip
         assert f"{DOC_URL}{path}" in text, path
 
@@ -74,5 +74,7 @@ def check_body(body: str, argv: list[str]) -> None:
         parsed = json.loads(body)
         if isinstance(parsed, dict) and "error" in parsed:
             assert set(parsed["error"]) == {"message", "code"}
+    elif body.startswith("# HELP "):  # Prometheus' text format
+        assert "sglang:num_requests_total{" in body
     else:
         assert body == "Cache flushed.\n"

@@ -4,6 +4,7 @@ in-flight request finish."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -142,3 +143,53 @@ def test_operations_doc_lists_every_flag_with_its_default() -> None:
         assert flag in rows, f"{flag} is not documented in docs/operations.md"
         if isinstance(action.default, int | float) and not isinstance(action.default, bool):
             assert float(rows[flag].strip("` ")) == action.default, flag
+
+
+def test_observability_flags() -> None:
+    _, defaults = configs(build_parser().parse_args(["serve"]))
+    assert defaults.enable_metrics and not defaults.enable_request_timing
+    assert defaults.log_format == "text" and not defaults.log_requests
+    args = build_parser().parse_args(
+        [
+            "serve", "--disable-metrics", "--enable-request-timing", "--log-format", "json",
+            "--log-requests",
+        ]
+    )  # fmt: skip
+    _, settings = configs(args)
+    assert not settings.enable_metrics and settings.enable_request_timing
+    assert settings.log_format == "json" and settings.log_requests
+
+
+async def test_json_access_log_on_stderr_without_the_prompt() -> None:
+    command = [
+        sys.executable, "-m", "tributary", "serve", "--runner", "sim", "--port", "0",
+        "--log-format", "json", "--enable-request-timing",
+    ]  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                check=False,
+            )
+        )
+        url = await startup_url(proc)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            body = {"text": "my secret", "rid": "cli-1", "sampling_params": {"max_new_tokens": 2}}
+            meta = (await client.post("/generate", json=body)).json()["meta_info"]
+            assert meta["queue_time"] <= meta["time_to_first_token"] <= meta["e2e_latency"]
+            assert (await client.get("/metrics")).status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.stderr is not None
+        err = b""
+        with trio.fail_after(15):
+            async for chunk in proc.stderr:
+                err += chunk
+            await proc.wait()
+    records = [json.loads(line) for line in err.decode().splitlines()]  # every line is JSON
+    [access] = [r for r in records if r["logger"] == "tributary.access"]
+    assert access["rid"] == "cli-1" and access["status"] == 200 and access["completion_tokens"] == 2
+    assert access["e2e_latency"] == meta["e2e_latency"]
+    assert "my secret" not in err.decode()

@@ -532,3 +532,34 @@ async def test_the_model_is_not_touched_after_the_engine_closed(
 def test_config_values_that_would_hang_are_refused(setting: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="must be at least"):
         EngineConfig(**setting)  # type: ignore[arg-type]
+
+
+@pytest.mark.tributary_config(max_running_requests=1)
+async def test_done_says_when_the_request_was_admitted_and_its_first_token_sampled(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    start = trio.current_time()
+    first = tributary_engine.submit(request(max_new_tokens=3))
+    second = tributary_engine.submit(request(max_new_tokens=3))
+    one = step_cost(prefill=5) + 2 * step_cost(decoding=1)  # "hello", 3 tokens, alone
+    async with trio.open_nursery() as nursery:
+        results: list[list[tuple[float, engine.Output]]] = [[], []]
+        nursery.start_soon(collect, first, results[0])
+        nursery.start_soon(collect, second, results[1])
+    for i, items in enumerate(results):
+        done = items[-1][1]
+        assert isinstance(done, Done)
+        assert done.admitted_at == pytest.approx(start + i * one)  # one slot: FIFO
+        assert done.first_token_at == pytest.approx(start + i * one + step_cost(prefill=5))
+        assert items[0][0] == pytest.approx(done.first_token_at)  # the first Frame's arrival
+
+
+async def test_a_request_aborted_while_waiting_was_never_admitted(
+    tributary_engine: engine.Engine,
+) -> None:
+    params = SamplingParams.from_dict({"max_new_tokens": 0})
+    stream = tributary_engine.submit(GenerateRequest(text="hi", sampling=params))
+    stream.close()
+    assert tributary_engine.stats().aborted_requests == 1
+    [done] = await testing.collect(tributary_engine.submit(request(max_new_tokens=0)))
+    assert isinstance(done, Done) and done.first_token_at is None and done.admitted_at is not None

@@ -1,0 +1,220 @@
+"""`Metrics`: SGLang's Prometheus metrics for one app, served by `GET /metrics`.
+
+Synopsis::
+
+    metrics = Metrics(engine, model_name="SmolLM2")   # one per app, with its own registry
+    metrics.observe_finished(timing)                  # once per request, at its terminal output
+    metrics.observe_inter_token_latency(interval, n)  # per output item after the first
+    metrics.count_http("/generate", "POST", 200)      # once per HTTP exchange
+    body = metrics.render()                           # Prometheus text format
+
+Names, labels and bucket bounds are SGLang's (`python/sglang/srt/metrics/collector.py`), so
+dashboards built for SGLang read them; finer buckets below 0.1 s are added for CPU latencies.
+Every series carries `model_name`.
+
+Cost: the hot path touches plain ints and lists (no prometheus-client objects, so no lock
+per increment; the app runs on one Trio thread). prometheus-client is used at scrape time
+only: this object is the registry's one collector and builds the metric families from those
+numbers, and the gauges from the engine's live state (`Engine.stats`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
+
+from tributary.engine import EngineStats
+
+if TYPE_CHECKING:
+    from .timing import RequestTiming
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: Sub-100 ms bounds for a CPU server, then SGLang's own bounds (kept, so quantiles over
+#: SGLang's buckets mean the same here).
+_FINE = [0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08]
+_SGLANG_TTFT = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
+TTFT_BUCKETS = [*_FINE, *_SGLANG_TTFT]
+E2E_BUCKETS = [*TTFT_BUCKETS, 600, 1200, 1800, 2400]
+# SGLang's inter-token bounds start at 2 ms.
+ITL_BUCKETS = [0.001, 0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035]
+ITL_BUCKETS += [0.040, 0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1, 2, 4, 6, 8]
+# SGLang's queue bounds start at 0 (admitted at once) and reach 50 minutes.
+QUEUE_BUCKETS = [0.0, *_FINE, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60]
+QUEUE_BUCKETS += [70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1200]
+QUEUE_BUCKETS += [1400, 1600, 1800, 2000, 2500, 3000]
+
+
+class StatsSource(Protocol):
+    def stats(self) -> EngineStats: ...
+
+
+class _Histogram:
+    """Bucket counts and a sum; cumulative only when scraped."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value` (SGLang's shortcut for a frame of several tokens)."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def family(self, name: str, doc: str, model: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc, labels=["model_name"])
+        buckets, total = [], 0
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        family.add_metric([model], buckets, self.sum)
+        return family
+
+
+class Metrics:
+    def __init__(self, engine: StatsSource, *, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.time_to_first_token = _Histogram(TTFT_BUCKETS)
+        self.inter_token_latency = _Histogram(ITL_BUCKETS)
+        self.e2e_request_latency = _Histogram(E2E_BUCKETS)
+        self.queue_time = _Histogram(QUEUE_BUCKETS)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_tokens = 0
+        self.num_requests = 0
+        #: (endpoint, method) and (endpoint, method, status code) -> count
+        self.http_requests: dict[tuple[str, str], int] = {}
+        self.http_responses: dict[tuple[str, str, str], int] = {}
+        self._throughput_mark = self._mark(engine.stats())
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # -- the hot path ---------------------------------------------------------------------
+
+    def observe_finished(self, timing: RequestTiming) -> None:
+        """One request that ended with an answer (the `e2e_latency` its response carries)."""
+        self.num_requests += 1
+        self.prompt_tokens += timing.prompt_tokens
+        self.generation_tokens += timing.completion_tokens
+        self.cached_tokens += timing.cached_tokens
+        created = timing.created_at
+        if timing.finished_at is not None:
+            self.e2e_request_latency.observe(timing.finished_at - created)
+        if timing.admitted_at is not None:
+            self.queue_time.observe(timing.admitted_at - created)
+        if timing.first_token_at is not None:
+            self.time_to_first_token.observe(timing.first_token_at - created)
+
+    def observe_inter_token_latency(self, interval: float, tokens: int) -> None:
+        """An output item that brought `tokens` new tokens `interval` s after the previous
+        one: `tokens` observations of `interval / tokens` (SGLang's rule)."""
+        self.inter_token_latency.observe(interval / tokens, tokens)
+
+    def count_http(self, endpoint: str, method: str, status: int) -> None:
+        key = (endpoint, method)
+        self.http_requests[key] = self.http_requests.get(key, 0) + 1
+        rkey = (endpoint, method, str(status))
+        self.http_responses[rkey] = self.http_responses.get(rkey, 0) + 1
+
+    # -- scrape time ----------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        model = self.model_name
+        yield self.time_to_first_token.family(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            model,
+        )
+        yield self.inter_token_latency.family(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            model,
+        )
+        yield self.e2e_request_latency.family(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            model,
+        )
+        yield self.queue_time.family(
+            "sglang:queue_time_seconds", "Histogram of queueing time in seconds.", model
+        )
+        stats = self.engine.stats()
+        for name, doc, value in (
+            ("prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+            ("generation_tokens", "Number of generation tokens processed.", self.generation_tokens),
+            ("cached_tokens", "Number of cached prompt tokens.", self.cached_tokens),
+            ("num_requests", "Number of requests processed.", self.num_requests),
+            ("num_aborted_requests", "Number of requests aborted.", stats.aborted_requests),
+        ):
+            counter = CounterMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            counter.add_metric([model], value)
+            yield counter
+        yield from self._http_families(model)
+        yield from self._gauges(stats, model)
+
+    def _http_families(self, model: str) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "sglang:http_requests",
+            "Total number of HTTP requests by endpoint and method",
+            labels=["endpoint", "method", "model_name"],
+        )
+        for (endpoint, method), value in sorted(self.http_requests.items()):
+            requests.add_metric([endpoint, method, model], value)
+        yield requests
+        responses = CounterMetricFamily(
+            "sglang:http_responses",
+            "Total number of HTTP responses by endpoint and status code",
+            labels=["endpoint", "status_code", "method", "model_name"],
+        )
+        for (endpoint, method, status), value in sorted(self.http_responses.items()):
+            responses.add_metric([endpoint, status, method, model], value)
+        yield responses
+
+    @staticmethod
+    def _mark(stats: EngineStats) -> tuple[float, int] | None:
+        """(now, tokens generated so far): where the next gen_throughput starts. None outside
+        a Trio run (an app may be built before `trio.run`): the first scrape starts it."""
+        try:
+            return trio.current_time(), stats.generated_tokens
+        except RuntimeError:
+            return None
+
+    def _gauges(self, stats: EngineStats, model: str) -> Iterator[Metric]:
+        throughput = 0.0
+        mark, self._throughput_mark = self._throughput_mark, self._mark(stats)
+        if mark is not None and self._throughput_mark is not None:
+            elapsed = self._throughput_mark[0] - mark[0]
+            if elapsed > 0:
+                throughput = (stats.generated_tokens - mark[1]) / elapsed
+        usage = stats.kv_used_cells / stats.kv_total_cells if stats.kv_total_cells else 0.0
+        for name, doc, value in (
+            ("num_running_reqs", "The number of running requests.", stats.running),
+            ("num_queue_reqs", "The number of requests in the waiting queue.", stats.waiting),
+            ("gen_throughput", "The generation throughput (token/s).", throughput),
+            ("token_usage", "The token usage.", usage),
+            ("num_used_tokens", "The number of used tokens.", stats.kv_used_cells),
+        ):
+            gauge = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            gauge.add_metric([model], value)
+            yield gauge
