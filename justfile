@@ -55,3 +55,8 @@ bench-serving *ARGS: _ensure-setup
 # API overhead (zero-cost sim runner) against a bare Quart-Trio route (docs/benchmarks/overhead.md).
 bench-overhead *ARGS: _ensure-setup
     {{venv}}/bin/python bench/overhead.py {{ARGS}}
+
+# `tributary bench` against aiperf on the same workload, alternating (docs/benchmarks/crosscheck.md).
+bench-crosscheck *ARGS: _ensure-setup
+    python3 bench/peers.py setup-aiperf
+    {{venv}}/bin/python bench/crosscheck.py {{ARGS}}
