@@ -60,3 +60,8 @@ bench-overhead *ARGS: _ensure-setup
 # rounds (docs/benchmarks/metrics-overhead.md).
 bench-metrics *ARGS: _ensure-setup
     {{venv}}/bin/python bench/metrics_overhead.py {{ARGS}}
+
+# `tributary bench` against aiperf on the same workload, alternating (docs/benchmarks/crosscheck.md).
+bench-crosscheck *ARGS: _ensure-setup
+    python3 bench/peers.py setup-aiperf
+    {{venv}}/bin/python bench/crosscheck.py {{ARGS}}

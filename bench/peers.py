@@ -2,6 +2,7 @@
 
     python3 bench/peers.py build-llama-server [--version X] [--jobs N] [--force]
     python3 bench/peers.py setup-llama-cpp-server [--version X] [--jobs N] [--force]
+    python3 bench/peers.py setup-aiperf [--version X] [--force]
 
 Standard library only; runs with any python3. Everything lands in the git-ignored folder
 `.bench-peers/` at the top of the repository and nothing there is ever committed:
@@ -21,6 +22,11 @@ Standard library only; runs with any python3. Everything lands in the git-ignore
   and cached for `.venv` when there is one (seconds instead of a ~5 minute compile), so both
   sides run the very same llama.cpp binary. When no cached wheel exists, or the one found was
   compiled with AMX, it compiles from the sdist with the same AMX-off flags.
+
+- `setup-aiperf` creates `.bench-peers/aiperf-venv` with NVIDIA's `aiperf` (the established
+  client `just bench-crosscheck` checks `tributary bench` against) and writes a Hugging Face
+  tokenizer for it to `.bench-peers/smollm2-tokenizer`, built from the GGUF's own vocabulary
+  and merges (nothing is downloaded; see AIPERF_TOKENIZER_SCRIPT). Result: the venv's python.
 
 Each step is idempotent: a stamp file records what was built, and a second run with the same
 version prints the path and does nothing else. The last line on stdout is the path (the
@@ -98,17 +104,17 @@ def niced(cmd: list[str]) -> list[str]:
 
 def installed_version() -> str:
     """The llama-cpp-python version in the repository's .venv."""
+    return in_main_venv(
+        f"import importlib.metadata as m; print(m.version({PACKAGE!r}))", "or pass --version"
+    )
+
+
+def in_main_venv(code: str, hint: str = "") -> str:
+    """What `code`, run by the repository's .venv python, prints."""
     if not MAIN_VENV_PYTHON.exists():
-        sys.exit(f"{MAIN_VENV_PYTHON} not found: run `just setup` first or pass --version")
+        sys.exit(f"{MAIN_VENV_PYTHON} not found: run `just setup` first {hint}".rstrip())
     out = subprocess.run(
-        [
-            str(MAIN_VENV_PYTHON),
-            "-c",
-            f"import importlib.metadata as m; print(m.version({PACKAGE!r}))",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
+        [str(MAIN_VENV_PYTHON), "-c", code], check=True, capture_output=True, text=True
     )
     return out.stdout.strip()
 
@@ -325,6 +331,22 @@ def lib_digest(python: Path) -> str | None:
     return hashlib.sha256(Path(libs[0]).read_bytes()).hexdigest()
 
 
+def make_venv(venv: Path, args: argparse.Namespace) -> list[str]:
+    """Create `venv` (again, with --force) with an up-to-date pip; returns its pip command."""
+    python = venv / "bin" / "python"
+    if args.force and venv.exists():
+        shutil.rmtree(venv)
+    if not python.exists():
+        # The base interpreter of .venv when there is one: pip keys its wheel cache by
+        # interpreter version too, and a peer should run on the same Python as Tributary.
+        base = args.python or _base_python()
+        log(f"creating {venv} with {base}")
+        run([base, "-m", "venv", str(venv)])
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    run([*pip, "install", "--quiet", "--upgrade", "pip"])
+    return pip
+
+
 def setup_llama_cpp_server(args: argparse.Namespace) -> Path:
     version = args.version or installed_version()
     venv = CACHE / "llama-cpp-server-venv"
@@ -338,16 +360,7 @@ def setup_llama_cpp_server(args: argparse.Namespace) -> Path:
             return python
 
     started = time.monotonic()
-    if args.force and venv.exists():
-        shutil.rmtree(venv)
-    if not python.exists():
-        # The base interpreter of .venv when there is one: pip keys its wheel cache by
-        # interpreter version too, and the server should run on the same Python as Tributary.
-        base = args.python or _base_python()
-        log(f"creating {venv} with {base}")
-        run([base, "-m", "venv", str(venv)])
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-    run([*pip, "install", "--quiet", "--upgrade", "pip"])
+    pip = make_venv(venv, args)
 
     how = "source"
     wheels = [] if args.from_source else cached_wheels(version)
@@ -401,6 +414,88 @@ def setup_llama_cpp_server(args: argparse.Namespace) -> Path:
     return python
 
 
+AIPERF_VERSION = "0.13.0"
+
+#: Run by the aiperf venv's python: argv[1] the GGUF, argv[2] the output folder. transformers
+#: 5 reads GGUF metadata with torch (`AutoTokenizer.from_pretrained(dir, gguf_file=...)` fails
+#: without it), so the metadata is read with the `gguf` package and handed to transformers' own
+#: GGUF tokenizer builders. Their pre-tokenizer table has no entry for llama.cpp's "smollm"
+#: type, which splits digits one by one before the GPT-2 split (llama-vocab.cpp,
+#: LLAMA_VOCAB_PRE_TYPE_SMOLLM, and SmolLM2's own tokenizer.json); that one is set here.
+AIPERF_TOKENIZER_SCRIPT = """
+import sys
+from gguf import GGUFReader
+from tokenizers import pre_tokenizers
+from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+    GGUF_TOKENIZER_MAPPING, add_gguf_special_tokens, select_tokenizer_builder, set_split_regex)
+
+path, out = sys.argv[1], sys.argv[2]
+fields = GGUFReader(path).fields
+meta = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+arch = fields["general.architecture"].contents()
+names = GGUF_TOKENIZER_MAPPING["tokenizer"]
+spec = {n: meta["tokenizer." + k] for k, n in names.items() if "tokenizer." + k in meta}
+tok = select_tokenizer_builder(arch, spec.get("tokenizer_type"))(spec)
+tok = set_split_regex(add_gguf_special_tokens(tok, spec), spec)
+if spec.get("pre_tokenizer_type") == "smollm":
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+for name in ("bos", "eos", "unk", "pad"):
+    if name + "_token_id" in spec:
+        setattr(tok, name + "_token", spec["tokens"][spec[name + "_token_id"]])
+tok.save_pretrained(out)
+print(out)
+"""
+
+
+def setup_aiperf(args: argparse.Namespace) -> Path:
+    version = args.version or AIPERF_VERSION
+    venv = CACHE / "aiperf-venv"
+    python = venv / "bin" / "python"
+    tokenizer = CACHE / "smollm2-tokenizer"
+    stamp_path = venv / "peers.json"
+    stamp = read_stamp(stamp_path)
+    gguf = _default_gguf()
+    if (
+        not args.force
+        and python.exists()
+        and stamp is not None
+        and stamp.get("version") == version
+        and stamp.get("gguf") == str(gguf)
+        and (tokenizer / "tokenizer.json").exists()
+    ):
+        log(f"{venv} already has aiperf {version}; tokenizer in {tokenizer}")
+        return python
+    started = time.monotonic()
+    pip = make_venv(venv, args)
+    run([*pip, "install", "--quiet", f"aiperf=={version}", "gguf"])
+    log(f"building a tokenizer from {gguf.name}")
+    run([str(python), "-c", AIPERF_TOKENIZER_SCRIPT, str(gguf), str(tokenizer)])
+    write_stamp(
+        stamp_path,
+        {
+            "version": version,
+            "gguf": str(gguf),
+            "tokenizer": str(tokenizer),
+            "seconds": round(time.monotonic() - started, 1),
+            "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine(),
+        },
+    )
+    return python
+
+
+def _default_gguf() -> Path:
+    """The model `tributary serve` loads by default (engine/runners/llama.py)."""
+    return Path(
+        in_main_venv(
+            "from tributary.engine.runners.llama import default_model_path as d; print(d())"
+        )
+    )
+
+
 def _base_python() -> str:
     if MAIN_VENV_PYTHON.exists():
         out = subprocess.run(
@@ -420,13 +515,20 @@ def main() -> None:
     for name, help_text in (
         ("build-llama-server", "build llama.cpp's llama-server from the sdist's vendor/llama.cpp"),
         ("setup-llama-cpp-server", "a venv with llama-cpp-python[server] for llama_cpp.server"),
+        ("setup-aiperf", "a venv with aiperf and a tokenizer built from the GGUF"),
     ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--version", help=f"{PACKAGE} version (default: the one installed in .venv)")
+        p.add_argument(
+            "--version",
+            help=f"aiperf version (default {AIPERF_VERSION})"
+            if name == "setup-aiperf"
+            else f"{PACKAGE} version (default: the one installed in .venv)",
+        )
         p.add_argument("--jobs", type=int, default=1, help="parallel compile jobs (default 1)")
         p.add_argument("--force", action="store_true", help="redo the step even if cached")
-        if name == "setup-llama-cpp-server":
+        if name != "build-llama-server":
             p.add_argument("--python", help="interpreter for the venv (default: .venv's base)")
+        if name == "setup-llama-cpp-server":
             p.add_argument(
                 "--from-source",
                 action="store_true",
@@ -437,6 +539,8 @@ def main() -> None:
         parser.error("--jobs must be at least 1")
     if args.command == "build-llama-server":
         path = build_llama_server(args)
+    elif args.command == "setup-aiperf":
+        path = setup_aiperf(args)
     else:
         path = setup_llama_cpp_server(args)
     print(path)
