@@ -168,3 +168,7 @@ class EngineStats:
     kv_total_cells: int
     steps: int  # scheduler steps run so far
     generated_tokens: int  # tokens sampled so far, all requests
+    kv_cache_bytes: int = 0  # memory the runner's KV cache allocates (0: not reported)
+    prefix_cache_bytes: int = 0  # host memory the prefix cache holds now
+    prefix_cache_entries: int = 0
+    prefix_cache_hits: int = 0  # admissions that restored a cached prefix, so far
