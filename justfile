@@ -55,3 +55,8 @@ bench-serving *ARGS: _ensure-setup
 # API overhead (zero-cost sim runner) against a bare Quart-Trio route (docs/benchmarks/overhead.md).
 bench-overhead *ARGS: _ensure-setup
     {{venv}}/bin/python bench/overhead.py {{ARGS}}
+
+# Prefix cache and forked n > 1 on the real model: cold vs warm TTFT, forked vs expanded
+# (docs/benchmarks/prefix-cache.md); e.g. `just bench-prefix-cache --rounds 9` on a quiet machine.
+bench-prefix-cache *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/prefix_cache.py {{ARGS}}

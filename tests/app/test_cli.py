@@ -142,3 +142,16 @@ def test_operations_doc_lists_every_flag_with_its_default() -> None:
         assert flag in rows, f"{flag} is not documented in docs/operations.md"
         if isinstance(action.default, int | float) and not isinstance(action.default, bool):
             assert float(rows[flag].strip("` ")) == action.default, flag
+
+
+def test_kv_flags_map_to_engine_config() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--kv-cache-dtype", "q8_0", "--prefix-cache-mb", "0",
+         "--disable-parallel-sample-fork"]
+    )  # fmt: skip
+    engine_config, _ = configs(args)
+    assert engine_config.kv_cache_dtype == "q8_0" and engine_config.prefix_cache_mb == 0
+    assert not engine_config.fork_parallel_samples
+    defaults, _ = configs(build_parser().parse_args(["serve"]))
+    assert defaults.kv_cache_dtype == "auto" and defaults.prefix_cache_mb == 1024
+    assert defaults.fork_parallel_samples
