@@ -13,6 +13,7 @@ import pytest
 import trio
 from apphelpers import parse_sse, running_server
 
+from tributary.app.admin import FLUSH_CACHE_MESSAGE
 from tributary.engine import EngineConfig
 
 pytestmark = pytest.mark.model
@@ -75,4 +76,4 @@ def check_body(body: str, argv: list[str]) -> None:
         if isinstance(parsed, dict) and "error" in parsed:
             assert set(parsed["error"]) == {"message", "code"}
     else:
-        assert body == "Cache flushed.\n"
+        assert body == FLUSH_CACHE_MESSAGE
