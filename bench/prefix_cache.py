@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from page_notes import NOTES_END, NOTES_START, existing_notes
 
 from tributary import engine
-from tributary.engine.runners.llama import default_model_path
+from tributary.engine.runners.base import KVRestore
+from tributary.engine.runners.llama import LlamaRunner, compute_thread, default_model_path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 OUT_JSON, OUT_MD = DOCS / "prefix-cache.json", DOCS / "prefix-cache.md"
@@ -103,6 +104,27 @@ async def run_together(eng: engine.Engine, reqs: list[engine.GenerateRequest]) -
         for i in range(len(reqs)):
             nursery.start_soon(drain, i)
     return timings
+
+
+async def copy_costs(eng: engine.Engine, repeats: int = 5) -> tuple[float, float, int]:
+    """Median seconds to restore the cached prefix into an empty slot and to snapshot it
+    back, timed on the compute thread while the engine is idle (the engine's own calls)."""
+    runner = eng._runner
+    cache = eng._scheduler.prefix_cache
+    assert isinstance(runner, LlamaRunner) and cache is not None and len(cache)
+    state = next(iter(cache)).state
+
+    def once() -> tuple[float, float]:
+        start = time.perf_counter()
+        runner._load(0, KVRestore(state, state.n_tokens))
+        loaded = time.perf_counter()
+        runner._snapshot(0)
+        done = time.perf_counter()
+        runner._free_slot(0)
+        return loaded - start, done - loaded
+
+    times = [await compute_thread().run(once) for _ in range(repeats)]
+    return median([t[0] for t in times]), median([t[1] for t in times]), state.nbytes
 
 
 def median(xs: list[float]) -> float:
@@ -176,8 +198,10 @@ async def main() -> None:
                 flush=True,
             )
 
+        restore_s, snapshot_s, copied = await copy_costs(eng)
+        prompt_tokens = len(prefix) + len(question(eng, 0))
+
     med = {k: round(median(v), 3) for k, v in runs.items()}
-    prompt_tokens = len(prefix) + len(question(eng, 0))
     result = {
         "benchmark": "prefix cache and forked parallel sampling",
         "model": default_model_path().name,
@@ -193,6 +217,9 @@ async def main() -> None:
         "median_s": med,
         "warm_speedup": round(med["cold_ttft"] / med["warm_ttft"], 2),
         "snapshot_cost_s": round(med["cold_ttft"] - med["cold_off_ttft"], 3),
+        "copy_bytes": copied,
+        "restore_ms": round(restore_s * 1000, 2),
+        "snapshot_ms": round(snapshot_s * 1000, 2),
         "fork_ttft_speedup": round(med["expanded_last_ttft"] / med["forked_last_ttft"], 2),
         "fork_total_speedup": round(med["expanded_total"] / med["forked_total"], 2),
         "runs_s": {k: [round(x, 3) for x in v] for k, v in runs.items()},
@@ -231,6 +258,9 @@ def markdown_table(result: dict[str, object], med: dict[str, float]) -> str:
         f"{result['warm_speedup']}x faster than cold |",
         f"| prefix cache held | {mib(result['prefix_cache_bytes_after_warm'])} | "
         f"{result['prefix_cache_entries_after_warm']} entry |",
+        f"| restore / snapshot of the cached prefix | {result['restore_ms']} / "
+        f"{result['snapshot_ms']} ms | {mib(result['copy_bytes'])} copied, on the compute "
+        "thread |",
         f"| n={n} forked: first / last TTFT | {med['forked_ttft']:.3f} / "
         f"{med['forked_last_ttft']:.3f} s | one prefill, {n - 1} copies |",
         f"| n={n} expanded: first / last TTFT | {med['expanded_ttft']:.3f} / "

@@ -136,8 +136,9 @@ async def test_eviction_is_lru_within_the_bound_and_outputs_stay_the_same() -> N
         stats = eng.stats()
         assert stats.prefix_cache_entries == 2
         assert 2 * CHUNK * BYTES_PER_TOKEN <= stats.prefix_cache_bytes <= 13 << 20
-        again = {name: await run(eng, request(p)) for name, p in (("b", b), ("a", a), ("c", c))}
-        assert [again[n].cached_tokens for n in "bac"] == [0, CHUNK, CHUNK]
+        # (A miss stores its prompt and evicts in turn: the hits go first.)
+        again = {name: await run(eng, request(p)) for name, p in (("a", a), ("c", c), ("b", b))}
+        assert [again[n].cached_tokens for n in "acb"] == [CHUNK, CHUNK, 0]
         assert all(again[n].output_ids == cold[n].output_ids for n in "abc")
         assert eng.stats().prefix_cache_bytes <= 13 << 20
 
