@@ -65,3 +65,8 @@ bench-metrics *ARGS: _ensure-setup
 bench-crosscheck *ARGS: _ensure-setup
     python3 bench/peers.py setup-aiperf
     {{venv}}/bin/python bench/crosscheck.py {{ARGS}}
+
+# Prefix cache and forked n > 1 on the real model: cold vs warm TTFT, forked vs expanded
+# (docs/benchmarks/prefix-cache.md); e.g. `just bench-prefix-cache --rounds 9` on a quiet machine.
+bench-prefix-cache *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/prefix_cache.py {{ARGS}}

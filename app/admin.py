@@ -151,10 +151,19 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
 
     @bp.route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        # The engine keeps no prefix cache across requests yet, so there is nothing to drop.
-        return Response("Cache flushed.\n", status=200, mimetype="text/plain")
+        # SGLang's body either way; like SGLang, a busy engine keeps its cache and says 400.
+        flushed = engine.flush_cache()
+        return Response(FLUSH_CACHE_MESSAGE, status=200 if flushed else 400, mimetype="text/plain")
 
     return bp
+
+
+#: SGLang's `/flush_cache` answer, sent with 200 (flushed) or 400 (requests were running or
+#: waiting, so nothing was flushed).
+FLUSH_CACHE_MESSAGE = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
 
 
 def _bound_port(urls: list[str]) -> int | None:

@@ -51,6 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stream deltas instead of the cumulative text",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "f16", "q8_0"],
+        default=defaults.kv_cache_dtype,
+        help="KV cache element type (auto: f16; q8_0 takes about half the memory)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=defaults.prefix_cache_mb,
+        help="host memory for reusable prompt prefixes' KV, in MiB (0 turns the cache off)",
+    )
+    p.add_argument(
+        "--disable-parallel-sample-fork",
+        action="store_true",
+        help="prefill the prompt once per sample for n > 1 instead of once, then forking",
+    )
     p.add_argument("--runner", choices=["llama", "sim"], default=defaults.runner)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all)")
     p.add_argument(
@@ -127,6 +144,9 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         threads=args.threads,
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         overlap_decode=not args.disable_overlap_schedule,
+        kv_cache_dtype=args.kv_cache_dtype,
+        prefix_cache_mb=args.prefix_cache_mb,
+        fork_parallel_samples=not args.disable_parallel_sample_fork,
     )
     settings = ServerSettings(
         host=args.host,
@@ -189,9 +209,22 @@ async def run_server(engine_config: engine.EngineConfig, settings: ServerSetting
                         f"runner {engine_config.runner}) at {urls[0]}",
                         flush=True,
                     )
+                    print(memory_line(eng), flush=True)
                     await stop.wait()
             LOGGER.info("shut down")
             nursery.cancel_scope.cancel()
+
+
+def memory_line(eng: engine.Engine) -> str:
+    """What the configuration allocates: the KV cache up front, the prefix cache's bound."""
+    config, stats = eng.config, eng.stats()
+    kv = f"{stats.kv_cache_bytes / (1 << 20):.0f} MiB" if stats.kv_cache_bytes else "n/a"
+    prefix = f"up to {config.prefix_cache_mb} MiB" if config.prefix_cache_mb else "off"
+    return (
+        f"KV cache: {kv} ({config.max_running_requests} slots x "
+        f"{eng.model_info.context_length} tokens, {config.kv_cache_dtype}); "
+        f"prefix cache: {prefix}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,6 +57,16 @@ class EngineConfig:
     #: instead of idling while the event loop commits, detokenizes and sends (SGLang's
     #: overlap scheduler, on one CPU thread). Off: each decode waits for its step's plan.
     overlap_decode: bool = True
+    #: KV cache element type: "auto" (f16, the model's usual), "f16", or "q8_0" (about half
+    #: the memory; llama.cpp then uses its flash-attention kernel). SGLang's flag name.
+    kv_cache_dtype: Literal["auto", "f16", "q8_0"] = "auto"
+    #: Host memory for prompt prefixes' KV (the prefix cache), in MiB; 0 turns it off.
+    #: 1 GiB holds about 45,000 tokens of SmolLM2 KV at f16 (some 30 distinct 1,500-token
+    #: system prompts), two thirds of what the default KV cache itself allocates.
+    prefix_cache_mb: int = 1024
+    #: Requests with the same prompt admitted while it is still being prefilled (the samples
+    #: of `n > 1`) prefill it once and fork its KV (llama runner); off: each prefills it.
+    fork_parallel_samples: bool = True
     #: Latency model for runner="sim".
     sim_latency: SimLatency = dataclasses.field(default_factory=SimLatency)
     #: For fault tests: the sim runner raises RunnerFailure at this step number (1-based).
@@ -73,8 +83,18 @@ class EngineConfig:
             )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be at least 2, got {self.context_length}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be at least 0, got {self.prefix_cache_mb}")
+        if self.kv_cache_dtype not in ("auto", "f16", "q8_0"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, f16 or q8_0, got {self.kv_cache_dtype!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.prefix_cache_mb << 20
 
     def kv_cells(self, context_length: int) -> int:
         """KV cells for the whole engine: one context's worth per running slot."""

@@ -112,6 +112,7 @@ class IdleReport:
     kv_used_cells: int  # as the runner counts them
     slots_held: int  # runner slots not back in the free list
     rids: tuple[str, ...]  # request ids still in flight (not yet ended or aborted)
+    cache_pins: int  # prefix cache entries held for restores not yet run
     # The scheduler task is still running. False once it has ended: the engine has closed,
     # or its scheduler died (an engine that can no longer serve is not idle, it is broken).
     scheduler_alive: bool
@@ -119,7 +120,12 @@ class IdleReport:
     @property
     def idle(self) -> bool:
         return self.scheduler_alive and not (
-            self.running or self.waiting or self.kv_used_cells or self.slots_held or self.rids
+            self.running
+            or self.waiting
+            or self.kv_used_cells
+            or self.slots_held
+            or self.rids
+            or self.cache_pins
         )
 
 
@@ -189,8 +195,15 @@ class Engine:
             kv_used_cells=self._runner.kv_used_cells(),
             slots_held=scheduler.max_running - len(scheduler._free_slots),
             rids=tuple(self._live),
+            cache_pins=scheduler.prefix_cache.pins if scheduler.prefix_cache is not None else 0,
             scheduler_alive=alive and not self._closed,
         )
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache. As in SGLang, only an idle engine flushes: with requests
+        running or waiting it returns False and drops nothing."""
+        self._check_open()
+        return self._scheduler.flush_prefix_cache()
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         self._check_open()

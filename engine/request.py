@@ -176,3 +176,7 @@ class EngineStats:
     #: Requests that ended aborted (any abort finish_reason: /abort_request, a client that
     #: left, shutdown) or were refused by a full queue, since the engine opened.
     aborted_requests: int = 0
+    kv_cache_bytes: int = 0  # memory the runner's KV cache allocates (0: not reported)
+    prefix_cache_bytes: int = 0  # host memory the prefix cache holds now
+    prefix_cache_entries: int = 0
+    prefix_cache_hits: int = 0  # admissions that restored a cached prefix, so far

@@ -10,6 +10,11 @@ Each step:
 4. `await runner.step(plan)`;
 5. commit: append sampled tokens, detokenize, check stop conditions, send `Frame`/`Done`.
 
+KV reuse (runners with `reuses_kv`): a prompt whose chunk-aligned prefix is in the prefix
+cache starts with that KV restored and prefills only the rest; a prompt identical to one
+still being prefilled waits for it and forks its KV and last logits instead of prefilling
+(parallel samples, `n > 1`). Both give exactly the tokens prefilling would have.
+
 A request that arrives while others decode joins at the next step. Aborts are marks
 (`Sequence.abort`); they take effect at the next step boundary and never touch another
 sequence. Output channels are unbounded, so a slow consumer never stalls the scheduler;
@@ -30,6 +35,7 @@ from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
 from .errors import BadRequest, EngineError, RunnerFailure
 from .logits import LogitHooks
+from .prefix_cache import CacheEntry, PrefixCache, PrefixHit
 from .request import (
     Done,
     EngineStats,
@@ -42,7 +48,7 @@ from .request import (
     length_reason,
     stop_reason,
 )
-from .runners.base import Runner, SeqStep
+from .runners.base import KVRestore, KVSave, Runner, SeqStep, reuses_kv
 from .sampling import SamplingParams
 from .stream import OutputSender
 
@@ -76,6 +82,14 @@ class Sequence:
         self.hooks = hooks
         self.slot: int | None = None
         self.prefilled = 0  # prompt tokens in the KV cache
+        #: Prompt tokens whose KV came from the prefix cache or a fork, not computed.
+        self.cached_tokens = 0
+        #: A prefix cache hit to restore with the first chunk (its entry pinned till then).
+        self.pending_restore: PrefixHit | None = None
+        #: The sequence with the same prompt whose prefill this one waits to fork, and the
+        #: sequences waiting to fork this one's.
+        self.leader: Sequence | None = None
+        self.forks: list[Sequence] = []
         self.output_ids: list[int] = []
         self.emitted_ids = 0  # output_ids already sent in a Frame
         #: Set by Engine.abort; acted on at the next step boundary.
@@ -134,7 +148,7 @@ class Sequence:
         self.sender.close()
 
     def _counts(self) -> tuple[int, int, int]:
-        return len(self.prompt_ids), len(self.output_ids), 0
+        return len(self.prompt_ids), len(self.output_ids), self.cached_tokens
 
 
 #: Steps over which `Scheduler.step_times` remembers how long a step takes: enough to
@@ -162,6 +176,17 @@ class Scheduler:
         self.step_times: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
         #: Requests refused (queue full) or ended with an abort finish_reason.
         self.aborted_requests = 0
+        reuse = reuses_kv(runner)
+        self.prefix_cache = (
+            PrefixCache(capacity_bytes=config.prefix_cache_bytes, chunk=self.prefill_chunk)
+            if reuse and config.prefix_cache_mb
+            else None
+        )
+        self._fork = reuse and config.fork_parallel_samples
+        #: Cache entries that the step being run restores from (unpinned when it returns).
+        self._step_pins: list[CacheEntry] = []
+        #: Snapshots the step being run takes: (sequence, prefix length, where it lands).
+        self._step_saves: list[tuple[Sequence, int, KVSave]] = []
 
     # -- called from other tasks (synchronous, never blocks) ----------------------------
 
@@ -195,6 +220,7 @@ class Scheduler:
         self._on_finish.append(callback)
 
     def stats(self) -> EngineStats:
+        cache = self.prefix_cache
         return EngineStats(
             running=len(self.running),
             waiting=len(self.waiting),
@@ -203,7 +229,20 @@ class Scheduler:
             steps=self.steps,
             generated_tokens=self.generated_tokens,
             aborted_requests=self.aborted_requests,
+            kv_cache_bytes=int(getattr(self.runner, "kv_bytes", 0)),
+            prefix_cache_bytes=cache.bytes if cache is not None else 0,
+            prefix_cache_entries=len(cache) if cache is not None else 0,
+            prefix_cache_hits=cache.hits if cache is not None else 0,
         )
+
+    def flush_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as SGLang's `/flush_cache` does: only when no request is
+        running or waiting (else False, and nothing is dropped)."""
+        if self.running or self.waiting:
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return True
 
     # -- the scheduler task -------------------------------------------------------------
 
@@ -226,10 +265,12 @@ class Scheduler:
                 try:
                     sampled = await self.runner.step(plan)
                 except Exception as exc:
+                    self._end_step(ok=False)
                     self._fail_step(plan, exc)
                     continue
                 finally:
                     self.step_times.append(trio.current_time() - started)
+                self._end_step(ok=True)
                 self.steps += 1
                 self._commit(sampling, sampled, stepped)
         finally:
@@ -255,6 +296,48 @@ class Scheduler:
                 params = dataclasses.replace(params, logit_bias={})
             self.runner.open_sequence(seq.slot, params)
             self.running.append(seq)
+            self._reuse_kv(seq)
+
+    def _reuse_kv(self, seq: Sequence) -> None:
+        """Before `seq` prefills: wait to fork an identical prompt still being prefilled, or
+        start from the longest prefix the cache holds."""
+        leader = self._fork_leader(seq)
+        if leader is not None:
+            seq.leader = leader
+            leader.forks.append(seq)
+            return
+        if self.prefix_cache is None:
+            return
+        prompt = seq.prompt_ids
+        if seq.scores_prompt:
+            # Restored positions yield no logits: only a prefix before the first scored one
+            # (SGLang limits its radix match the same way).
+            assert seq.hooks is not None and seq.hooks.logprobs is not None
+            prompt = prompt[: seq.hooks.logprobs.spec.start_len + 1]
+        hit = self.prefix_cache.lookup(prompt)
+        if hit is not None:
+            self.prefix_cache.pin(hit.entry)
+            seq.pending_restore = hit
+            seq.prefilled = seq.cached_tokens = hit.n_tokens
+
+    def _fork_leader(self, seq: Sequence) -> Sequence | None:
+        """A running sequence with the same prompt that has not computed its last chunk yet,
+        if `seq` can take a copy of its KV and last logits (it needs no prompt logprobs of
+        its own, and both sample a token after the prompt)."""
+        if not self._fork or seq.scores_prompt or seq.max_new_tokens == 0:
+            return None
+        prompt = seq.prompt_ids
+        for other in self.running:
+            if (
+                other is not seq
+                and other.leader is None
+                and other.abort is None
+                and other.max_new_tokens > 0
+                and other.prefilled < len(other.prompt_ids)
+                and other.prompt_ids == prompt
+            ):
+                return other
+        return None
 
     def _plan(self) -> tuple[list[SeqStep], list[Sequence], list[Sequence]]:
         """The step's entries; the sequences that get a token, in plan order; and every
@@ -263,8 +346,11 @@ class Scheduler:
         sampling: list[Sequence] = []
         stepped: list[Sequence] = []
         budget = self.prefill_chunk
+        forked: list[Sequence] = []
         for seq in self.running:
             assert seq.slot is not None
+            if seq.leader is not None:
+                continue  # planned with its leader's last chunk
             prompt_len = len(seq.prompt_ids)
             if seq.prefilled == prompt_len:  # decoding
                 pos = prompt_len + len(seq.output_ids) - 1
@@ -296,6 +382,8 @@ class Scheduler:
                     seq.hooks,
                     targets,
                     offset,
+                    restore=self._plan_restore(seq),
+                    save=self._plan_save(seq, end),
                 )
             )
             seq.prefilled = end
@@ -303,7 +391,61 @@ class Scheduler:
             stepped.append(seq)
             if sample:
                 sampling.append(seq)
+                for fork in seq.forks:  # each samples from this chunk's logits, then decodes
+                    assert fork.slot is not None
+                    plan.append(
+                        SeqStep(
+                            fork.slot,
+                            [],
+                            prompt_len,
+                            True,
+                            self._suppress(fork),
+                            fork.hooks,
+                            fork_from=seq.slot,
+                        )
+                    )
+                    fork.prefilled = fork.cached_tokens = prompt_len
+                    stepped.append(fork)
+                    sampling.append(fork)
+                    forked.append(fork)
+                seq.forks = []
+        for fork in forked:  # (set only now: the loop above must skip them)
+            fork.leader = None
         return plan, sampling, stepped
+
+    def _plan_restore(self, seq: Sequence) -> KVRestore | None:
+        hit, seq.pending_restore = seq.pending_restore, None
+        if hit is None:
+            return None
+        self._step_pins.append(hit.entry)  # the step now holds the pin
+        return KVRestore(hit.entry.state, hit.n_tokens)
+
+    def _plan_save(self, seq: Sequence, end: int) -> KVSave | None:
+        """Snapshot a prompt once, at its last chunk boundary: one entry serves every shorter
+        chunk-aligned prefix too, and a snapshot costs a copy of the whole prefix's KV (so
+        none at the boundaries before, and none if the cache already holds it)."""
+        cache = self.prefix_cache
+        if cache is None or end != len(seq.prompt_ids) // self.prefill_chunk * self.prefill_chunk:
+            return None
+        if end <= seq.cached_tokens or cache.holds(seq.prompt_ids[:end]):
+            return None
+        save = KVSave()
+        self._step_saves.append((seq, end, save))
+        return save
+
+    def _end_step(self, *, ok: bool) -> None:
+        """Release the step's pins; keep its snapshots if it succeeded (also those of
+        sequences aborted meanwhile: their KV was computed all the same)."""
+        cache = self.prefix_cache
+        pins, self._step_pins = self._step_pins, []
+        saves, self._step_saves = self._step_saves, []
+        if cache is None:
+            return
+        for entry in pins:
+            cache.unpin(entry)
+        for seq, end, save in saves if ok else ():
+            if save.state is not None:
+                cache.insert(seq.prompt_ids[:end], save.state)
 
     @staticmethod
     def _prompt_targets(seq: Sequence, start: int, end: int) -> tuple[list[int] | None, int]:
@@ -407,11 +549,21 @@ class Scheduler:
         self._forget(seq)
 
     def _release(self, seq: Sequence) -> None:
+        hit, seq.pending_restore = seq.pending_restore, None
+        if hit is not None and self.prefix_cache is not None:
+            self.prefix_cache.unpin(hit.entry)
+        if seq.leader is not None:
+            seq.leader.forks.remove(seq)
+            seq.leader = None
         if seq.slot is not None:
             self.runner.close_sequence(seq.slot)
             heapq.heappush(self._free_slots, seq.slot)
             self.running.remove(seq)
             seq.slot = None
+        forks, seq.forks = seq.forks, []
+        for fork in forks:  # its leader left before computing the prompt: prefill after all
+            fork.leader = None
+            self._reuse_kv(fork)
 
     def _forget(self, seq: Sequence) -> None:
         for callback in self._on_finish:

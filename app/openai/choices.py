@@ -78,10 +78,12 @@ def finish_fields(reason: FinishReason | None) -> dict[str, Any]:
 
 def usage_object(choices: Sequence[Choice], *, n: int) -> dict[str, Any]:
     """Usage as OpenAI and vLLM count it: each prompt's tokens (and cached tokens) once, every
-    choice's completion tokens."""
+    choice's completion tokens. A prompt's cached tokens are its first choice's (SGLang's
+    count): the other choices fork that one's KV, and counting their copy as cached would
+    report a prompt computed once as served from the cache."""
     prompts = [choices[i : i + n] for i in range(0, len(choices), n)]
     prompt_tokens = sum(group[0].prompt_tokens for group in prompts)
-    cached = sum(max(c.cached_tokens for c in group) for group in prompts)
+    cached = sum(group[0].cached_tokens for group in prompts)
     completion_tokens = sum(c.completion_tokens for c in choices)
     return {
         "prompt_tokens": prompt_tokens,

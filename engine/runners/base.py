@@ -16,7 +16,40 @@ from ..logits import LogitHooks
 from ..request import ModelInfo
 from ..sampling import SamplingParams
 
-__all__ = ["Runner", "SeqStep"]
+__all__ = ["KVRestore", "KVSave", "KVState", "Runner", "SeqStep", "reuses_kv"]
+
+
+class KVState(Protocol):
+    """A snapshot of one slot's KV cache, in host memory, as a runner made it (opaque to the
+    engine, which only keeps it in the prefix cache and hands it back)."""
+
+    @property
+    def n_tokens(self) -> int:
+        """The positions it holds: 0 .. n_tokens - 1."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory it holds, for the prefix cache's bound."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVRestore:
+    """Load `state` into the entry's (empty) slot before its tokens, keeping positions
+    `0 .. n_tokens - 1` only (`n_tokens <= state.n_tokens`; the entry's start_pos is
+    n_tokens)."""
+
+    state: KVState
+    n_tokens: int
+
+
+@dataclasses.dataclass(slots=True)
+class KVSave:
+    """Asks the runner for a snapshot of the entry's slot right after its tokens are
+    computed; the runner sets `state` before `step` returns."""
+
+    state: KVState | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,6 +70,13 @@ class SeqStep:
     #: `prompt_targets[j]` (through `hooks.score_prompt`). None: score no prompt position.
     prompt_targets: list[int] | None = None
     prompt_offset: int = 0
+    #: KV reuse (runners with `reuses_kv`): restore a snapshot into the slot first; snapshot
+    #: the slot after this entry's tokens; or, for an entry with no tokens, fork: copy slot
+    #: `fork_from`'s KV (as its own entry in this plan left it) and sample this entry's token
+    #: from that entry's logits, with this slot's sampler.
+    restore: KVRestore | None = None
+    save: KVSave | None = None
+    fork_from: int | None = None
 
 
 class Runner(Protocol):
@@ -80,3 +120,11 @@ class Runner(Protocol):
     def close(self) -> None:
         """Free the model. Called once, after the last step has returned."""
         ...
+
+
+def reuses_kv(runner: Runner) -> bool:
+    """Whether `runner` takes `SeqStep.restore`, `save` and `fork_from` (an optional part of
+    the contract: a runner says so with a true `reuses_kv` attribute). The engine runs its
+    prefix cache and forks parallel samples only for such runners; others prefill every
+    prompt, as before."""
+    return bool(getattr(runner, "reuses_kv", False))

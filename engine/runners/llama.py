@@ -44,11 +44,12 @@ import trio
 from ..config import EngineConfig
 from ..errors import RunnerFailure
 from ..grammar import Grammars
+from ..kv_memory import KV_DTYPES, check_memory, describe_bytes, mem_available
 from ..request import ModelInfo
 from ..sampling import SamplingParams
-from .base import SeqStep
+from .base import KVRestore, SeqStep
 
-__all__ = ["LlamaRunner", "default_model_path"]
+__all__ = ["LlamaKVState", "LlamaRunner", "default_model_path"]
 
 LOGGER = logging.getLogger("tributary.engine.llama")
 
@@ -86,6 +87,9 @@ class LlamaRunner:
         path = Path(config.model_path) if config.model_path else default_model_path()
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
+        # Read before loading: the model's mmapped pages then count as available memory, and
+        # what it and the KV cache need is checked against that.
+        available = mem_available()
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
         model_params.use_extra_bufts = config.repack_weights
@@ -93,12 +97,22 @@ class LlamaRunner:
         if not model:
             raise RunnerFailure(f"llama.cpp could not load {path}")
         try:
-            return cls(model, path, config)
+            return cls(model, path, config, available=available)
         except BaseException:
             llama_cpp.llama_model_free(model)
             raise
 
-    def __init__(self, model: ctypes.c_void_p, path: Path, config: EngineConfig) -> None:
+    #: Takes SeqStep.restore / save / fork_from (the engine's prefix cache and forks).
+    reuses_kv = True
+
+    def __init__(
+        self,
+        model: ctypes.c_void_p,
+        path: Path,
+        config: EngineConfig,
+        *,
+        available: int | None = None,
+    ) -> None:
         self._model = model
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._n_vocab = n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
@@ -109,6 +123,18 @@ class LlamaRunner:
                 f"context_length {context} exceeds the model's trained context {train_ctx}"
             )
         self.kv_cells = config.kv_cells(context)
+        dtype = KV_DTYPES[config.kv_cache_dtype]
+        #: Bytes of KV the context allocates: every layer's K and V rows for every cell.
+        self.kv_bytes = self.kv_cells * _kv_bytes_per_cell(model, dtype.bytes_per_element)
+        model_bytes = llama_cpp.llama_model_size(model)
+        check_memory(
+            model_bytes=model_bytes,
+            kv_bytes=self.kv_bytes,
+            prefix_cache_bytes=config.prefix_cache_bytes,
+            available=available,
+            config=config,
+            context_length=context,
+        )
         self._max_step_tokens = config.prefill_chunk_tokens + config.max_running_requests
         threads = config.threads or os.cpu_count() or 1
         ctx_params = llama_cpp.llama_context_default_params()
@@ -119,6 +145,11 @@ class LlamaRunner:
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
         ctx_params.kv_unified = False
+        ctx_params.type_k = ctx_params.type_v = dtype.ggml_type
+        if dtype.quantized:
+            # llama.cpp computes attention over a quantized V cache only in its flash-attention
+            # kernel; without it, context creation fails.
+            ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         ctx_params.no_perf = True
         ctx = llama_cpp.llama_init_from_model(model, ctx_params)
         if not ctx:
@@ -136,6 +167,9 @@ class LlamaRunner:
         self._overlap = config.overlap_decode
         #: The decode launched ahead for the next step (compute thread only).
         self._ahead: _DecodeAhead | None = None
+        #: Slots opened since the last step began: a decode launched ahead for the slot's
+        #: previous sequence must never be taken for the new one's.
+        self._opened: set[int] = set()
         self._closed = False
         self.grammars = Grammars(_lltokenizer(self._vocab, n_vocab), n_vocab)
         self.info = ModelInfo(
@@ -152,11 +186,15 @@ class LlamaRunner:
             chat_template=self._meta_str(b"tokenizer.chat_template"),
         )
         LOGGER.info(
-            "loaded %s: context %d, %d KV cells, %d threads",
+            "loaded %s (%s): context %d, %d threads; KV cache %s (%d slots x %d cells, %s)",
             path.name,
+            describe_bytes(model_bytes),
             context,
-            self.kv_cells,
             threads,
+            describe_bytes(self.kv_bytes),
+            config.max_running_requests,
+            context,
+            config.kv_cache_dtype,
         )
 
     # -- tokens -------------------------------------------------------------------------
@@ -191,6 +229,7 @@ class LlamaRunner:
     def open_sequence(self, seq_id: int, params: SamplingParams) -> None:
         assert seq_id not in self._samplers, f"slot {seq_id} is busy"
         self._samplers[seq_id] = self._sampler_chain(params)
+        self._opened.add(seq_id)
 
     def close_sequence(self, seq_id: int) -> None:
         # A decode launched ahead may be running on the compute thread, so the KV removal is
@@ -266,6 +305,7 @@ class LlamaRunner:
         sampled: dict[int, int] = {}  # plan index -> token
         singles = [i for i, s in enumerate(plan) if len(s.tokens) == 1]
         ahead, self._ahead = self._ahead, None
+        opened, self._opened = self._opened, set()
         if ahead is not None:
             # Entries the decode launched ahead already computed are sampled from its logits
             # (still in llama.cpp's output buffer: nothing has decoded since), before any
@@ -273,7 +313,7 @@ class LlamaRunner:
             hits = {
                 i: ahead.outputs.pop(_key(plan[i]))
                 for i in singles
-                if _key(plan[i]) in ahead.outputs
+                if _key(plan[i]) in ahead.outputs and plan[i].seq_id not in opened
             }
             for i, idx in hits.items():
                 sampled[i] = self._sample(plan[i], idx)
@@ -284,11 +324,19 @@ class LlamaRunner:
             for seq_id, _token, pos in ahead.outputs:
                 if seq_id not in self._freeing:
                     llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
+        # Restores after that clean-up, which may touch a slot that was just reopened.
+        for s in plan:
+            if s.restore is not None:
+                self._load(s.seq_id, s.restore)
+        forks: dict[int, list[int]] = {}  # leader slot -> plan indexes of its forks
+        for i, s in enumerate(plan):
+            if s.fork_from is not None:
+                forks.setdefault(s.fork_from, []).append(i)
         if singles:
-            self._decode(plan, singles, sampled)
+            self._decode(plan, singles, sampled, forks)
         for i, s in enumerate(plan):
             if len(s.tokens) > 1:
-                self._decode(plan, [i], sampled)
+                self._decode(plan, [i], sampled, forks)
         self._count_kv()
         if self._overlap and sampled:
             # Every sequence that got a token will decode it next step unless it finishes:
@@ -326,7 +374,13 @@ class LlamaRunner:
             return
         self._ahead = _DecodeAhead(outputs)
 
-    def _decode(self, plan: Sequence[SeqStep], members: list[int], sampled: dict[int, int]) -> None:
+    def _decode(
+        self,
+        plan: Sequence[SeqStep],
+        members: list[int],
+        sampled: dict[int, int],
+        forks: dict[int, list[int]],
+    ) -> None:
         batch = self._batch
         n = 0
         outputs: list[tuple[int, int]] = []  # (plan index, batch index)
@@ -362,7 +416,46 @@ class LlamaRunner:
             assert s.hooks is not None and s.prompt_targets is not None
             s.hooks.score_prompt(self._rows(lo, len(s.prompt_targets)), s.prompt_targets)
         for i, idx in outputs:
+            followers = forks.get(plan[i].seq_id, [])
+            # Suppression and hooks write into the row: each fork samples from the row as
+            # the decode left it, so it draws exactly what its own prefill would have given.
+            row = self._rows(idx, 1)[0].copy() if followers else None
             sampled[i] = self._sample(plan[i], idx)
+            for f in followers:
+                self._rows(idx, 1)[0][:] = row
+                sampled[f] = self._sample(plan[f], idx)
+        for i in members:
+            s = plan[i]
+            followers = forks.get(s.seq_id, [])
+            if s.save is None and not followers:
+                continue
+            state = self._snapshot(s.seq_id)
+            if s.save is not None:
+                s.save.state = state
+            for f in followers:
+                self._load(plan[f].seq_id, KVRestore(state, state.n_tokens))
+
+    def _snapshot(self, seq_id: int) -> LlamaKVState:
+        """The slot's KV in host memory (compute thread only)."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
+        data = np.empty(size, dtype=np.uint8)  # np.empty: no pass to zero it first
+        ptr = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_get_data(self._ctx, ptr, size, seq_id) != size:
+            raise RunnerFailure(f"llama_state_seq_get_data failed for slot {seq_id}")
+        n_tokens = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id) + 1
+        return LlamaKVState(data, n_tokens)
+
+    def _load(self, seq_id: int, restore: KVRestore) -> None:
+        """Put a snapshot into an empty slot, keeping its first `restore.n_tokens` positions
+        (compute thread only). A failure leaves the slot empty and fails the step."""
+        state = restore.state
+        assert isinstance(state, LlamaKVState), "a snapshot from another runner"
+        ptr = state.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self._ctx, ptr, state.nbytes, seq_id) == 0:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            raise RunnerFailure(f"llama_state_seq_set_data failed for slot {seq_id}")
+        if restore.n_tokens < state.n_tokens:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, restore.n_tokens, -1)
 
     def _sample(self, s: SeqStep, idx: int) -> int:
         """Sample `s`'s next token from the logits of batch index `idx`."""
@@ -606,6 +699,28 @@ def _lltokenizer(vocab: Any, n_vocab: int) -> Any:
         eos_token=[eos, *eog] if eos >= 0 else eog,
         slices=None,
     )
+
+
+class LlamaKVState:
+    """One slot's KV as `llama_state_seq_get_data` wrote it (positions 0 .. n_tokens - 1)."""
+
+    __slots__ = ("data", "n_tokens")
+
+    def __init__(self, data: np.ndarray, n_tokens: int) -> None:
+        self.data = data
+        self.n_tokens = n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def _kv_bytes_per_cell(model: Any, bytes_per_element: float) -> int:
+    """K and V rows of every layer for one cell (grouped-query attention: n_head_kv heads)."""
+    lib = llama_cpp
+    head_dim = lib.llama_model_n_embd(model) // lib.llama_model_n_head(model)
+    elements = 2 * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * head_dim
+    return math.ceil(elements * bytes_per_element)
 
 
 class _DecodeAhead:

@@ -12,6 +12,9 @@ Synopsis::
 - Each step sleeps on Trio's clock for the cost `SimLatency` gives, so under
   `autojump_clock` latencies are exact.
 - `fail_at_step=N` makes step N raise RunnerFailure, for fault tests.
+- KV reuse (`reuses_kv`): a snapshot is the tokens fed so far (`kv_bytes_per_token` each, for
+  the prefix cache's bound); restoring and forking cost no time, and output after them is
+  what prefilling would have given, as on the real model.
 - Logits, for the hooks (logprobs, custom logit processors): every token has logit 0 but the
   one the sim would pick, which has `SIM_PICK_LOGIT`; if a hook (a mask, a bias, a processor)
   leaves another token higher, the highest is sampled. Prompt positions score as all-zero rows.
@@ -32,7 +35,7 @@ from ..config import SimLatency
 from ..errors import RunnerFailure
 from ..request import ModelInfo
 from ..sampling import SamplingParams
-from .base import SeqStep
+from .base import KVRestore, SeqStep
 
 __all__ = ["SimRunner"]
 
@@ -45,12 +48,15 @@ SIM_PICK_LOGIT = 5.0
 
 
 class SimRunner:
+    reuses_kv = True
+
     def __init__(
         self,
         *,
         context_length: int = 8192,
         latency: SimLatency | None = None,
         fail_at_step: int | None = None,
+        kv_bytes_per_token: int = 1024,
     ) -> None:
         self.info = ModelInfo(
             name="sim",
@@ -67,6 +73,7 @@ class SimRunner:
         self.grammars = None
         self.latency = latency or SimLatency()
         self.fail_at_step = fail_at_step
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.steps = 0
         self._seqs: dict[int, _SimSeq] = {}
 
@@ -97,9 +104,17 @@ class SimRunner:
             raise RunnerFailure(f"sim runner: injected failure at step {self.steps}")
         sampled = []
         for s in plan:
+            if s.restore is not None:
+                self._seqs[s.seq_id].load(s.restore)
+        for s in plan:
             seq = self._seqs[s.seq_id]
+            if s.fork_from is not None:  # its leader comes first in the plan
+                leader = self._seqs[s.fork_from].snapshot(self.kv_bytes_per_token)
+                seq.load(KVRestore(leader, leader.n_tokens))
             assert s.start_pos == seq.kv_len, "positions must continue the sequence"
             seq.feed(s.tokens)
+            if s.save is not None:
+                s.save.state = seq.snapshot(self.kv_bytes_per_token)
             if s.hooks is not None and s.prompt_targets:
                 rows = np.zeros((len(s.prompt_targets), VOCAB_SIZE), dtype=np.float32)
                 s.hooks.score_prompt(rows, s.prompt_targets)
@@ -124,10 +139,20 @@ class SimRunner:
         self._seqs.clear()
 
 
+class SimKVState:
+    __slots__ = ("n_tokens", "nbytes", "tokens")
+
+    def __init__(self, tokens: tuple[int, ...], nbytes: int) -> None:
+        self.tokens = tokens
+        self.n_tokens = len(tokens)
+        self.nbytes = nbytes
+
+
 class _SimSeq:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.kv_len = 0
+        self.fed: list[int] = []
         self.prefilled = False
         self._history = 0  # a rolling CRC of every token fed: greedy output depends on it
         self._rng = (
@@ -138,7 +163,18 @@ class _SimSeq:
 
     def feed(self, tokens: list[int]) -> None:
         self.kv_len += len(tokens)
+        self.fed += tokens
         self._history = zlib.crc32(b"".join(t.to_bytes(2, "little") for t in tokens), self._history)
+
+    def snapshot(self, bytes_per_token: int) -> SimKVState:
+        return SimKVState(tuple(self.fed), bytes_per_token * len(self.fed))
+
+    def load(self, restore: KVRestore) -> None:
+        state = restore.state
+        assert isinstance(state, SimKVState), "a snapshot from another runner"
+        assert self.kv_len == 0, "restore into a busy slot"
+        self.kv_len, self.fed, self._history = 0, [], 0
+        self.feed(list(state.tokens[: restore.n_tokens]))
 
     def sample(self, suppress: frozenset[int]) -> int:
         forced = [t for t, b in self.params.logit_bias.items() if b > 0 and t not in suppress]

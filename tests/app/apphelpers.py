@@ -70,6 +70,16 @@ async def running_server(
         yield Server(server.engine, server.url)
 
 
+@asynccontextmanager
+async def two_stream_modes(config: EngineConfig) -> AsyncIterator[tuple[Server, str]]:
+    """One engine behind two servers: cumulative streaming (the Server) and incremental (the
+    second URL)."""
+    async with running_server(config) as server:
+        incremental = app.create_app(server.eng, server_settings(incremental_streaming_output=True))
+        async with app.open_http_server(incremental, server_settings()) as urls:
+            yield server, urls[0]
+
+
 @pytest.fixture
 def sim_server(tributary_server: testing.RunningServer) -> Server:
     """The plugin's real server, on the engine of `tributary_engine_config` (conftest.py)."""

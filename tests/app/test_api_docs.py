@@ -13,6 +13,7 @@ import pytest
 import trio
 from apphelpers import parse_sse, running_server
 
+from tributary.app.admin import FLUSH_CACHE_MESSAGE
 from tributary.engine import EngineConfig
 
 pytestmark = pytest.mark.model
@@ -77,4 +78,4 @@ def check_body(body: str, argv: list[str]) -> None:
     elif body.startswith("# HELP "):  # Prometheus' text format
         assert "sglang:num_requests_total{" in body
     else:
-        assert body == "Cache flushed.\n"
+        assert body == FLUSH_CACHE_MESSAGE

@@ -193,3 +193,16 @@ async def test_json_access_log_on_stderr_without_the_prompt() -> None:
     assert access["rid"] == "cli-1" and access["status"] == 200 and access["completion_tokens"] == 2
     assert access["e2e_latency"] == meta["e2e_latency"]
     assert "my secret" not in err.decode()
+
+
+def test_kv_flags_map_to_engine_config() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--kv-cache-dtype", "q8_0", "--prefix-cache-mb", "0",
+         "--disable-parallel-sample-fork"]
+    )  # fmt: skip
+    engine_config, _ = configs(args)
+    assert engine_config.kv_cache_dtype == "q8_0" and engine_config.prefix_cache_mb == 0
+    assert not engine_config.fork_parallel_samples
+    defaults, _ = configs(build_parser().parse_args(["serve"]))
+    assert defaults.kv_cache_dtype == "auto" and defaults.prefix_cache_mb == 1024
+    assert defaults.fork_parallel_samples

@@ -9,9 +9,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from apphelpers import META_KEYS, Server, parse_sse, running_server, server_settings, wait_until
+from apphelpers import META_KEYS, Server, parse_sse, two_stream_modes, wait_until
 
-from tributary import app
 from tributary.engine import EngineConfig
 
 pytestmark = pytest.mark.model
@@ -24,10 +23,8 @@ MODEL = EngineConfig(context_length=2048, max_running_requests=8, threads=1)
 @pytest.fixture
 async def model() -> AsyncIterator[tuple[Server, str]]:
     """The model behind two servers on one engine: cumulative and incremental streaming."""
-    async with running_server(MODEL) as server:
-        incremental = app.create_app(server.eng, server_settings(incremental_streaming_output=True))
-        async with app.open_http_server(incremental, server_settings()) as urls:
-            yield server, urls[0]
+    async with two_stream_modes(MODEL) as servers:
+        yield servers
 
 
 def greedy(max_new_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -1,0 +1,92 @@
+"""How much memory a configuration's KV cache takes, and refusing one that cannot fit.
+
+Each running slot holds a whole `context_length` of KV cells (docs/architecture.md, "KV
+cache"), so the KV cache is `max_running_requests x context_length` cells whatever the
+requests need: 1.4 GiB for SmolLM2 at the defaults, tens of GB for a 7B model. The engine
+checks it against the machine's available memory before allocating it, and says which flags
+shrink it, instead of being killed by the kernel later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .config import EngineConfig
+
+__all__ = [
+    "KV_DTYPES",
+    "InsufficientMemory",
+    "KVDtype",
+    "check_memory",
+    "describe_bytes",
+    "mem_available",
+]
+
+#: ggml type ids (ggml.h), so this module needs no llama_cpp import.
+_GGML_TYPE_F16 = 1
+_GGML_TYPE_Q8_0 = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class KVDtype:
+    ggml_type: int
+    bytes_per_element: float
+    quantized: bool
+
+
+#: `--kv-cache-dtype` values. "auto" is the model's usual f16 (SGLang's spelling for "what
+#: the model uses"); q8_0 stores 32 values in 34 bytes, about half of f16.
+KV_DTYPES = {
+    "auto": KVDtype(_GGML_TYPE_F16, 2.0, quantized=False),
+    "f16": KVDtype(_GGML_TYPE_F16, 2.0, quantized=False),
+    "q8_0": KVDtype(_GGML_TYPE_Q8_0, 34 / 32, quantized=True),
+}
+
+
+class InsufficientMemory(ValueError):
+    """The model and the KV cache a configuration allocates exceed the available memory."""
+
+
+def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Linux's estimate of memory available to a new program without swapping (MemAvailable:
+    free memory plus reclaimable caches), in bytes; None where there is no such file."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def describe_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_memory(
+    *,
+    model_bytes: int,
+    kv_bytes: int,
+    prefix_cache_bytes: int,
+    available: int | None,
+    config: EngineConfig,
+    context_length: int,
+) -> None:
+    """Raise InsufficientMemory if the model, the KV cache and the prefix cache's bound need
+    more than `available` bytes (None: unknown, nothing is checked)."""
+    need = model_bytes + kv_bytes + prefix_cache_bytes
+    if available is None or need <= available:
+        return
+    raise InsufficientMemory(
+        f"not enough memory: the model ({describe_bytes(model_bytes)}) plus its KV cache "
+        f"({describe_bytes(kv_bytes)}: {config.max_running_requests} slots x "
+        f"{context_length} cells, {config.kv_cache_dtype}) plus the prefix cache's bound "
+        f"({describe_bytes(prefix_cache_bytes)}) need {describe_bytes(need)}, and "
+        f"{describe_bytes(available)} is available. Shrink the KV cache with "
+        "--context-length, --max-running-requests or --kv-cache-dtype q8_0, or the prefix "
+        "cache with --prefix-cache-mb."
+    )

@@ -1,0 +1,99 @@
+"""`cached_tokens` over HTTP on the real model (SGLang's endpoint test, checklist item 11,
+scaled to 256-token chunks), in every response shape and in `/v1` usage; and `/flush_cache`,
+which empties the prefix cache and refuses (400, SGLang's words) while requests run."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from apphelpers import Server, parse_sse, running_server, sim_config, two_stream_modes, wait_until
+
+from tributary.app.admin import FLUSH_CACHE_MESSAGE
+from tributary.engine import EngineConfig
+
+#: Small context so the model loads fast; one thread (see test_generate_model.py).
+MODEL = EngineConfig(context_length=4096, max_running_requests=4, threads=1)
+
+
+def ids(n: int) -> list[int]:
+    return list(range(100, 100 + n))
+
+
+def body(n: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "input_ids": ids(n),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+        **extra,
+    }
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[tuple[Server, str]]:
+    """The model behind two servers on one engine: cumulative and incremental streaming."""
+    async with two_stream_modes(MODEL) as servers:
+        yield servers
+
+
+@pytest.mark.model
+async def test_cached_tokens_in_every_shape(model: tuple[Server, str]) -> None:
+    server, incremental_url = model
+    async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+        assert (await client.post("/flush_cache")).status_code == 200
+        # SGLang sends 100, 10000, 10000, 1000, 11000 tokens and reads 0, 100, 9999, 999,
+        # 10000. Here prefixes are cached at chunk boundaries (multiples of 256) and a prompt
+        # at its last one: 100 is none; 2000 is cached at 1792; 2200 at 2048.
+        cached = []
+        for n in (100, 2000, 2000, 1000, 2200):
+            response = await client.post("/generate", json=body(n))
+            assert response.status_code == 200, response.text
+            cached.append(response.json()["meta_info"]["cached_tokens"])
+        assert cached == [0, 0, 1792, 768, 1792]
+
+        batch = await client.post(
+            "/generate", json={**body(600), "input_ids": [ids(600), ids(700)]}
+        )
+        assert [item["meta_info"]["cached_tokens"] for item in batch.json()] == [512, 512]
+
+        stream = await client.post("/generate", json=body(600, stream=True))
+        frames = parse_sse(stream.text)[:-1]
+        assert [f["meta_info"]["cached_tokens"] for f in frames] == [512] * len(frames)
+
+        # n = 2: the first choice restores 512 tokens and the second forks its prompt; usage
+        # counts the prompt's cached tokens once, as the first choice's (SGLang's count).
+        completion = await client.post(
+            "/v1/completions",
+            json={"prompt": ids(600), "max_tokens": 4, "temperature": 0, "n": 2},
+        )
+        usage = completion.json()["usage"]
+        assert usage["prompt_tokens"] == 600
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 512}
+
+    async with httpx.AsyncClient(base_url=incremental_url, timeout=300) as client:
+        stream = await client.post("/generate", json=body(700, stream=True))
+    frames = parse_sse(stream.text)[:-1]
+    assert frames and all(f["meta_info"]["cached_tokens"] == 512 for f in frames)
+
+
+async def test_flush_cache_refuses_while_requests_run() -> None:
+    async with running_server(sim_config()) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            prompt = {"text": "x" * 600, "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+            await client.post("/generate", json=prompt)
+            assert server.eng.stats().prefix_cache_entries == 1
+            long = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3000}}
+            async with client.stream("POST", "/generate", json=long) as running:
+                async for line in running.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+                refused = await client.post("/flush_cache")
+            assert (refused.status_code, refused.text) == (400, FLUSH_CACHE_MESSAGE)
+            assert server.eng.stats().prefix_cache_entries == 1
+            await wait_until(lambda: not server.eng.stats().running)  # reaped at a boundary
+            flushed = await client.post("/flush_cache")
+            assert (flushed.status_code, flushed.text) == (200, FLUSH_CACHE_MESSAGE)
+            assert server.eng.stats().prefix_cache_entries == 0
+            again = await client.post("/generate", json=prompt)
+            assert again.json()["meta_info"]["cached_tokens"] == 0

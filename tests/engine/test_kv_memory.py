@@ -1,0 +1,32 @@
+"""Sizing the KV cache against the machine's memory (engine/kv_memory.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tributary.engine import EngineConfig
+from tributary.engine.kv_memory import InsufficientMemory, check_memory, mem_available
+
+GIB = 1 << 30
+
+
+def test_mem_available_reads_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683652 kB\nMemAvailable:   1000 kB\n")
+    assert mem_available(meminfo) == 1000 * 1024
+    assert mem_available(tmp_path / "missing") is None
+
+
+def test_a_configuration_that_fits_passes_and_one_that_does_not_names_the_flags() -> None:
+    config = EngineConfig(max_running_requests=8, prefix_cache_mb=1024)
+    sizes = {"model_bytes": GIB // 10, "kv_bytes": 2 * GIB, "prefix_cache_bytes": GIB}
+    check_memory(**sizes, available=4 * GIB, config=config, context_length=8192)
+    check_memory(**sizes, available=None, config=config, context_length=8192)  # unknown
+    with pytest.raises(InsufficientMemory) as caught:
+        check_memory(**sizes, available=3 * GIB, config=config, context_length=8192)
+    message = str(caught.value)
+    assert "8 slots x 8192 cells" in message and "3.10 GiB" in message
+    for flag in ("--context-length", "--max-running-requests", "--kv-cache-dtype", "--prefix"):
+        assert flag in message

@@ -1,0 +1,166 @@
+"""KV reuse on the real model: a restored prefix or a forked prompt must give exactly the
+tokens that prefilling would have, and the KV memory a configuration takes is sized (and
+refused when it cannot fit)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+from tributary import engine
+from tributary.engine import Done, EngineConfig, GenerateRequest, SamplingParams
+from tributary.engine.kv_memory import InsufficientMemory
+
+pytestmark = pytest.mark.model
+
+CHUNK = 256
+#: SmolLM2-135M's KV at f16: 30 layers x (K + V) x 3 KV heads x 64 x 2 bytes, a token.
+BYTES_PER_TOKEN = 23040
+
+CONFIG = EngineConfig(context_length=2048, max_running_requests=4, prefill_chunk_tokens=CHUNK)
+
+
+@pytest.fixture
+async def eng() -> AsyncIterator[engine.Engine]:
+    async with engine.open_engine(CONFIG) as eng:
+        yield eng
+
+
+def document(eng: engine.Engine, n_tokens: int) -> list[int]:
+    """n_tokens of varied English (a prompt the model answers sensibly, unlike random ids)."""
+    lines = [
+        f"Note {i}: the {word} in room {i * 7 % 31} was moved to shelf {i % 5} on day {i}."
+        for i, word in enumerate(["book", "lamp", "clock", "vase", "map", "cup"] * 40)
+    ]
+    ids = eng.tokenize("\n".join(lines))
+    assert len(ids) >= n_tokens
+    return ids[:n_tokens]
+
+
+def request(ids: list[int], **sampling: object) -> GenerateRequest:
+    params = {"temperature": 0, "max_new_tokens": 24, **sampling}
+    return GenerateRequest(input_ids=ids, sampling=SamplingParams.from_dict(params))
+
+
+@dataclasses.dataclass
+class Result:
+    output_ids: list[int]
+    cached_tokens: int
+
+
+async def drain(stream: engine.RequestStream) -> Result:
+    ids: list[int] = []
+    async with stream:
+        async for item in stream:
+            assert not isinstance(item, engine.Error), item.error
+            ids += item.output_ids
+    assert isinstance(item, Done)
+    return Result(ids, item.cached_tokens)
+
+
+async def run(eng: engine.Engine, req: GenerateRequest) -> Result:
+    return await drain(eng.submit(req))
+
+
+async def run_together(eng: engine.Engine, reqs: list[GenerateRequest]) -> list[Result]:
+    streams = [eng.submit(r) for r in reqs]  # submitted first: admitted in the same step
+    results: list[Result | None] = [None] * len(reqs)
+
+    async def one(i: int) -> None:
+        results[i] = await drain(streams[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(reqs)):
+            nursery.start_soon(one, i)
+    return [r for r in results if r is not None]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+async def test_a_cache_hit_gives_the_tokens_prefilling_gives(
+    eng: engine.Engine, chunks: int
+) -> None:
+    shared = document(eng, chunks * CHUNK)
+    other = eng.tokenize("\nQuestion: which shelf holds the lamp? Answer:", add_special=False)
+    mine = eng.tokenize("\nQuestion: what was moved on day 3? Answer:", add_special=False)
+    assert eng.flush_cache()
+    await run(eng, request(shared + other))  # caches the shared chunks
+    warm = await run(eng, request(shared + mine))
+    assert warm.cached_tokens == chunks * CHUNK
+    assert eng.flush_cache()
+    cold = await run(eng, request(shared + mine))
+    assert cold.cached_tokens == 0
+    assert warm.output_ids == cold.output_ids
+
+
+async def test_forked_samples_match_expanded_ones() -> None:
+    """n = 4 samples of one prompt: forked from one prefill, or each prefilled (the four fit
+    one step's prefill budget, so both ways decode in the same batches). Seeded samples are
+    the same tokens; so are greedy ones after a multi-chunk prompt (each fork's KV copy is
+    used for 24 tokens)."""
+    short_outputs, long_outputs = [], []
+    for fork in (True, False):
+        config = EngineConfig(
+            context_length=2048,
+            max_running_requests=4,
+            prefix_cache_mb=0,
+            fork_parallel_samples=fork,
+        )
+        async with engine.open_engine(config) as eng:
+            short = document(eng, 60)
+            seeded = [request(short, temperature=0.8, sampling_seed=40 + i) for i in range(4)]
+            done = await run_together(eng, seeded)
+            short_outputs.append([d.output_ids for d in done])
+            assert [d.cached_tokens for d in done] == ([0, 60, 60, 60] if fork else [0] * 4)
+            done = await run_together(eng, [request(document(eng, 600))] * 4)
+            long_outputs.append([d.output_ids for d in done])
+            assert [d.cached_tokens for d in done] == ([0, 600, 600, 600] if fork else [0] * 4)
+            assert eng.idle_report().idle
+    assert short_outputs[0] == short_outputs[1]
+    assert len({tuple(o) for o in short_outputs[0]}) == 4  # four different draws
+    assert long_outputs[0] == long_outputs[1]
+
+
+async def test_eviction_is_lru_within_the_bound_and_outputs_stay_the_same() -> None:
+    # Room for two 256-token prefixes (5.9 MB each), not three.
+    config = EngineConfig(context_length=1024, max_running_requests=2, prefix_cache_mb=13)
+    async with engine.open_engine(config) as eng:
+        text = document(eng, 3 * 300)
+        a, b, c = (text[i * 300 : (i + 1) * 300] for i in range(3))
+        cold = {name: await run(eng, request(p)) for name, p in (("a", a), ("b", b))}
+        assert eng.stats().prefix_cache_entries == 2
+        assert (await run(eng, request(a))).cached_tokens == CHUNK  # a is now recently used
+        cold["c"] = await run(eng, request(c))  # evicts b, the least recently used
+        stats = eng.stats()
+        assert stats.prefix_cache_entries == 2
+        assert 2 * CHUNK * BYTES_PER_TOKEN <= stats.prefix_cache_bytes <= 13 << 20
+        # (A miss stores its prompt and evicts in turn: the hits go first.)
+        again = {name: await run(eng, request(p)) for name, p in (("a", a), ("c", c), ("b", b))}
+        assert [again[n].cached_tokens for n in "acb"] == [CHUNK, CHUNK, 0]
+        assert all(again[n].output_ids == cold[n].output_ids for n in "abc")
+        assert eng.stats().prefix_cache_bytes <= 13 << 20
+
+
+async def test_q8_0_kv_cache_takes_about_half_the_memory_and_still_answers() -> None:
+    sizes = {}
+    for dtype in ("f16", "q8_0"):
+        config = EngineConfig(context_length=1024, max_running_requests=2, kv_cache_dtype=dtype)
+        async with engine.open_engine(config) as eng:
+            sizes[dtype] = eng.stats().kv_cache_bytes
+            prompt = eng.tokenize("The capital of France is")
+            done = await run(eng, request(prompt, max_new_tokens=8))
+            assert "Paris" in eng.detokenize(done.output_ids)
+    assert sizes["f16"] == 2 * 1024 * BYTES_PER_TOKEN
+    assert sizes["q8_0"] == pytest.approx(sizes["f16"] * 34 / 64, rel=0.01)
+
+
+async def test_a_kv_cache_larger_than_memory_is_refused_naming_the_flags() -> None:
+    config = EngineConfig(context_length=8192, max_running_requests=4096)  # ~770 GB of KV
+    with pytest.raises(InsufficientMemory) as caught:
+        async with engine.open_engine(config):
+            pass
+    message = str(caught.value)
+    for flag in ("--context-length", "--max-running-requests", "--kv-cache-dtype"):
+        assert flag in message

@@ -1,0 +1,254 @@
+"""The prefix cache and forked parallel samples: the cache's own bookkeeping (LRU, bound,
+pins), and the scheduling around it on the sim runner under the autojump clock (what is
+reported, what a flush does, what an abort during a restore or a fork frees). Whether a
+restored or forked KV gives the same tokens on the real model is tests/engine/test_kv_reuse.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from tributary import engine, testing
+from tributary.engine import Done, GenerateRequest, SamplingParams, SimLatency
+from tributary.engine.prefix_cache import PrefixCache
+from tributary.engine.runners.sim import SimKVState
+
+LAT = SimLatency(step_base=0.010, decode_per_seq=0.002, prefill_per_token=0.001)
+CHUNK = 256
+
+pytestmark = pytest.mark.tributary_config(sim_latency=LAT)
+
+
+def state(n_tokens: int, nbytes: int | None = None) -> SimKVState:
+    return SimKVState(tuple(range(n_tokens)), n_tokens if nbytes is None else nbytes)
+
+
+def prompt(n: int, start: int = 0) -> list[int]:
+    """n sim tokens (byte values 3..258), distinct from another prompt with another start."""
+    return [3 + (start + i) % 250 for i in range(n)]
+
+
+def ids_request(ids: list[int], **sampling: object) -> GenerateRequest:
+    params = {"temperature": 0, "max_new_tokens": 4, **sampling}
+    return GenerateRequest(input_ids=ids, sampling=SamplingParams.from_dict(params))
+
+
+async def run(eng: engine.Engine, req: GenerateRequest) -> Done:
+    items = await testing.collect(eng.submit(req))
+    done = items[-1]
+    assert isinstance(done, Done), done
+    return done
+
+
+# -- the cache's bookkeeping ----------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_chunk_aligned_prefix_and_leaves_a_token() -> None:
+    cache = PrefixCache(capacity_bytes=1 << 20, chunk=4)
+    tokens = list(range(100, 112))  # 3 chunks
+    assert cache.insert(tokens, state(12))
+    assert cache.lookup(tokens[:3]) is None  # no whole chunk
+    hit = cache.lookup(tokens[:5])
+    assert hit is not None and hit.n_tokens == 4
+    hit = cache.lookup(tokens)  # all 12 cached, but one must be left to compute
+    assert hit is not None and hit.n_tokens == 8
+    hit = cache.lookup([*tokens, 7])
+    assert hit is not None and hit.n_tokens == 12
+    assert cache.lookup([*tokens[:6], 0, 0, 0]) is not None  # shares one chunk
+    assert cache.lookup([0, *tokens]) is None  # nothing shared from the start
+
+
+def test_a_longer_entry_replaces_its_prefixes_and_a_held_one_is_not_stored_twice() -> None:
+    cache = PrefixCache(capacity_bytes=1 << 20, chunk=4)
+    tokens = list(range(12))
+    assert cache.insert(tokens[:4], state(4))
+    assert cache.insert(tokens[:8], state(8))
+    assert len(cache) == 1 and cache.bytes == 8  # the 4-token entry was redundant
+    assert not cache.insert(tokens[:4], state(4))  # held by the 8-token entry
+    assert len(cache) == 1 and cache.holds(tokens[:4]) and not cache.holds(tokens)
+
+
+def test_eviction_is_least_recently_used_and_holds_the_bound() -> None:
+    cache = PrefixCache(capacity_bytes=100, chunk=4)
+    a, b, c, d = ([k] * 4 for k in range(4))
+    for tokens in (a, b, c):
+        assert cache.insert(tokens, state(4, nbytes=30))
+    assert cache.lookup([*a, 9]) is not None  # a is now the most recently used
+    assert cache.insert(d, state(4, nbytes=30))  # evicts b, the least recently used
+    assert [e.tokens for e in cache] == [tuple(c), tuple(a), tuple(d)]
+    assert cache.bytes == 90 <= cache.capacity_bytes and cache.evictions == 1
+    assert not cache.insert([5] * 4, state(4, nbytes=101))  # larger than the whole bound
+    assert cache.bytes == 90
+
+
+def test_a_pinned_entry_is_never_evicted() -> None:
+    cache = PrefixCache(capacity_bytes=60, chunk=4)
+    a, b = [1] * 4, [2] * 4
+    assert cache.insert(a, state(4, nbytes=30)) and cache.insert(b, state(4, nbytes=30))
+    hit_a, hit_b = cache.lookup([*a, 0]), cache.lookup([*b, 0])
+    assert hit_a is not None and hit_b is not None
+    cache.pin(hit_a.entry)
+    cache.pin(hit_b.entry)
+    assert not cache.insert([3] * 4, state(4, nbytes=30))  # nothing may leave: not stored
+    assert cache.clear() == 0 and len(cache) == 2 and cache.pins == 2
+    cache.unpin(hit_a.entry)
+    assert cache.insert([3] * 4, state(4, nbytes=30))
+    assert [e.tokens[0] for e in cache] == [2, 3] and cache.bytes == 60
+
+
+# -- on the engine (sim runner) -------------------------------------------------------------
+
+
+async def test_cached_tokens_on_repeated_prompts(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    """SGLang's endpoint test (checklist item 11: prompts of 100, 10000, 10000, 1000, 11000
+    tokens give 0, 100, 9999, 999, 10000 with its token-granular radix cache), scaled to this
+    engine: prefixes are cached at 256-token chunk boundaries, one token is always computed,
+    and a prompt is cached at its last chunk boundary."""
+    eng = tributary_engine
+    assert eng.flush_cache()
+    cached = [
+        (await run(eng, ids_request(prompt(n)))).cached_tokens
+        for n in (100, 2000, 2000, 1000, 2200)
+    ]
+    # 100: nothing; 2000: 100 was never a boundary; 2000 again: its 1792 (7 chunks);
+    # 1000: 768 of those; 2200: 1792 (2048 was never computed before).
+    assert cached == [0, 0, 1792, 768, 1792]
+    assert (await run(eng, ids_request(prompt(2200)))).cached_tokens == 2048
+    assert (await run(eng, ids_request(prompt(2000, start=1)))).cached_tokens == 0
+
+
+async def test_restored_prefix_only_costs_the_rest(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    ids = prompt(600)
+    cold_start = trio.current_time()
+    cold = await run(eng, ids_request(ids, max_new_tokens=1))
+    cold_time = trio.current_time() - cold_start
+    warm_start = trio.current_time()
+    warm = await run(eng, ids_request(ids, max_new_tokens=1))
+    warm_time = trio.current_time() - warm_start
+    assert warm.output_ids == cold.output_ids and warm.cached_tokens == 512
+    # Cold: chunks of 256, 256 and 88 tokens; warm: the 88 only.
+    assert cold_time == pytest.approx(
+        testing.step_time(LAT, prefill=256) * 2 + testing.step_time(LAT, prefill=88)
+    )
+    assert warm_time == pytest.approx(testing.step_time(LAT, prefill=88))
+
+
+async def test_flush_cache_refuses_while_requests_run_and_empties_otherwise(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    await run(eng, ids_request(prompt(300)))
+    assert eng.stats().prefix_cache_entries == 1
+    async with eng.submit(ids_request(prompt(10), max_new_tokens=50)) as stream:
+        await stream.__anext__()
+        assert not eng.flush_cache()  # running: refused, kept
+        assert eng.stats().prefix_cache_entries == 1
+    await testing.wait_engine_idle(eng)
+    assert eng.flush_cache()
+    stats = eng.stats()
+    assert stats.prefix_cache_entries == 0 and stats.prefix_cache_bytes == 0
+    assert (await run(eng, ids_request(prompt(300)))).cached_tokens == 0
+
+
+async def test_abort_during_a_restore_frees_slot_kv_and_pin(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    ids = prompt(700)
+    await run(eng, ids_request(ids))
+    seen_pins: list[int] = []
+    with trio.CancelScope() as scope:
+        async with eng.submit(ids_request(ids, max_new_tokens=20)):
+            # The admitting step restores 512 tokens and prefills 188: leave in the middle.
+            await trio.sleep(testing.step_time(LAT, prefill=188) / 2)
+            seen_pins.append(eng.idle_report().cache_pins)
+            scope.cancel()
+    assert seen_pins == [1]  # the entry was pinned while its restore ran
+    await testing.wait_engine_idle(eng, timeout=testing.step_time(LAT, prefill=188))
+    assert eng.stats().prefix_cache_entries == 1  # the entry itself stays
+
+
+async def test_abort_before_a_restore_is_planned_frees_the_pin(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    ids = prompt(700)
+    await run(eng, ids_request(ids))
+    # Admitted together: the cold prompt's first chunk takes the step's prefill budget, so
+    # the other waits a step with its cache hit pinned; it leaves before being planned.
+    cold = eng.submit(ids_request(prompt(600, start=3)))
+    hit = eng.submit(ids_request(ids))
+    await trio.sleep(testing.step_time(LAT, prefill=256) / 2)
+    assert eng.idle_report().cache_pins == 1
+    hit.close()
+    # Just past the step boundary that reaps it (Trio orders tasks waking at one instant
+    # at random, so not exactly at it).
+    await trio.sleep(testing.step_time(LAT, prefill=256) / 2 + 0.001)
+    assert eng.idle_report().cache_pins == 0
+    assert isinstance((await testing.collect(cold))[-1], Done)
+    await testing.wait_engine_idle(eng)
+
+
+async def test_forked_samples_match_expanded_ones(autojump_clock: trio.abc.Clock) -> None:
+    reqs = [ids_request(prompt(600), temperature=0.8, sampling_seed=11 + i) for i in range(4)]
+    outputs = {}
+    for fork in (True, False):
+        config = testing.sim_config(sim_latency=LAT, fork_parallel_samples=fork)
+        async with testing.open_sim_engine(config) as eng:
+            start = trio.current_time()
+            streams = [eng.submit(r) for r in reqs]
+            done = []
+            for s in streams:
+                items = await testing.collect(s)
+                assert isinstance(items[-1], Done)
+                done.append(items[-1])
+            elapsed = trio.current_time() - start
+            outputs[fork] = [d.output_ids for d in done], [d.cached_tokens for d in done], elapsed
+            await testing.wait_engine_idle(eng)
+    (forked, forked_cached, forked_time), (expanded, expanded_cached, expanded_time) = (
+        outputs[True],
+        outputs[False],
+    )
+    assert forked == expanded and len(set(map(tuple, forked))) == 4
+    assert forked_cached == [0, 600, 600, 600] and expanded_cached == [0, 0, 0, 0]
+    assert forked_time < expanded_time
+
+
+async def test_leader_abort_before_the_fork_lets_the_others_prefill(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    reqs = [ids_request(prompt(600), temperature=0.8, sampling_seed=5 + i) for i in range(3)]
+    expected = [(await run(eng, r)).output_ids for r in reqs]
+    assert eng.flush_cache()
+    streams = [eng.submit(r) for r in reqs]
+    await trio.sleep(testing.step_time(LAT, prefill=256) / 2)  # in the leader's first chunk
+    streams[0].close()
+    results = [await testing.collect(s) for s in streams[1:]]
+    assert [r[-1].output_ids for r in results if isinstance(r[-1], Done)] == expected[1:]
+    # The first of the others led the rest (the leader saved nothing: it left mid-prompt).
+    assert [r[-1].cached_tokens for r in results if isinstance(r[-1], Done)] == [0, 600]
+    await testing.wait_engine_idle(eng)
+    assert eng.idle_report().cache_pins == 0
+
+
+async def test_abort_during_the_fork_step_frees_everything(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    eng = tributary_engine
+    reqs = [ids_request(prompt(300), max_new_tokens=40, sampling_seed=i) for i in range(3)]
+    streams = [eng.submit(r) for r in reqs]
+    # Step 1: the leader's first chunk (256); step 2: its last 44 tokens, and the forks.
+    await trio.sleep(testing.step_time(LAT, prefill=256) + testing.step_time(LAT, prefill=44) / 2)
+    assert eng.stats().kv_used_cells == 256  # mid-step 2: the forks hold nothing yet
+    streams[1].close()
+    streams[2].close()
+    leader = await testing.collect(streams[0])
+    assert isinstance(leader[-1], Done) and leader[-1].completion_tokens == 40
+    await testing.wait_engine_idle(eng)
