@@ -261,3 +261,35 @@ async def test_engine_exit_aborts_in_flight_requests_on_the_real_runner() -> Non
     assert done.finish_reason["type"] == "abort" and done.finish_reason["status_code"] == 503
     assert done.completion_tokens < 20
     assert eng.stats().steps - steps_at_exit <= 2
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["decode-ahead", "plain"])
+async def test_decodes_reuse_the_compute_graph(
+    monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """llama-server reuses its compute graph from one decode to the next (issue 8: without
+    reuse it is ~4% slower). Tributary's decodes must get the same: one graph per shape, not
+    one per step. llama.cpp counts reuses only with its perf counters on."""
+    import llama_cpp
+
+    contexts: list[object] = []
+    create = llama_cpp.llama_init_from_model
+
+    def with_perf_counters(model: object, params: llama_cpp.llama_context_params) -> object:
+        params.no_perf = False
+        ctx = create(model, params)
+        contexts.append(ctx)
+        return ctx
+
+    monkeypatch.setattr(llama_cpp, "llama_init_from_model", with_perf_counters)
+    config = EngineConfig(
+        context_length=1024, max_running_requests=2, threads=1, overlap_decode=overlap
+    )
+    async with engine.open_engine(config) as eng:
+        llama_cpp.llama_perf_context_reset(contexts[0])
+        _, ids, _ = await run(eng, request("Tell me about dragons.", max_new_tokens=40))
+        perf = llama_cpp.llama_perf_context(contexts[0])
+    assert len(ids) == 40
+    # Every single-token decode after the first reuses the graph the previous one built.
+    assert perf.n_eval >= 39
+    assert perf.n_reused >= perf.n_eval - 2
