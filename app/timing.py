@@ -84,6 +84,8 @@ class RequestTiming:
             self.finish()
             return
         tokens = item.completion_tokens
+        # So far (the access log of a request whose client left reports what it got).
+        self.completion_tokens = tokens
         if self.first_output_at is None:
             self.first_output_at = now
             self._last_output_at, self._last_tokens = now, tokens
@@ -97,7 +99,6 @@ class RequestTiming:
         if isinstance(item, Done):
             self.finished_at = now
             self.prompt_tokens = item.prompt_tokens
-            self.completion_tokens = tokens
             self.cached_tokens = item.cached_tokens
             self.finish_reason = item.finish_reason
             self.admitted_at = item.admitted_at
