@@ -31,6 +31,7 @@ from .request import (
     LogprobRequest,
     ModelInfo,
     abort_reason,
+    counts_as_request,
 )
 from .runners.base import Runner
 from .sampling import SamplingParams
@@ -236,7 +237,8 @@ class Engine:
             raise DuplicateRequestId(rid)
         max_new = _check_context(len(prompt_ids), params.max_new_tokens, info.context_length)
         if self._scheduler.queue_depth() >= self.config.max_queued_requests:
-            self._scheduler.aborted_requests += 1
+            if counts_as_request(rid):
+                self._scheduler.aborted_requests += 1
             raise QueueFull("The request queue is full.")  # SGLang's words; clients match them
         hooks = self._hooks(request, prompt_ids, rid)
         sender, receiver = open_output_channel(rid)

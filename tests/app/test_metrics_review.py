@@ -35,7 +35,6 @@ async def test_v1_choices_of_a_failed_response_are_not_counted_as_answers(
     assert delta(after, before, "sglang:generation_tokens_total") == 0
 
 
-@pytest.mark.xfail(strict=True, reason="review: a probe aborted in the queue counts as aborted")
 @pytest.mark.tributary_config(max_running_requests=1)
 async def test_a_health_probe_is_not_counted_as_an_aborted_request(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
