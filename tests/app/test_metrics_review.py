@@ -16,9 +16,6 @@ from tributary.testing import DEFAULT_SIM_LATENCY, AppClient
 pytestmark = pytest.mark.tributary_config(sim_latency=DEFAULT_SIM_LATENCY)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review: /v1 counts the finished choices of a failed response"
-)
 async def test_v1_choices_of_a_failed_response_are_not_counted_as_answers(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:
@@ -30,9 +27,19 @@ async def test_v1_choices_of_a_failed_response_are_not_counted_as_answers(
             "stop_token_ids": [104]}  # fmt: skip
     reply = await client.post("/v1/completions", body, headers={"X-Request-Timeout": "0.2"})
     assert reply.status == 408
+    streamed = await client.post(
+        "/v1/completions", {**body, "stream": True}, headers={"X-Request-Timeout": "0.2"}
+    )
+    assert parse_sse(streamed.text)[-2]["error"]["message"] == "Request timed out after 0.2 s."
     after = await scrape(client)
     assert delta(after, before, "sglang:num_requests_total") == 0
     assert delta(after, before, "sglang:generation_tokens_total") == 0
+    # The same two prompts without a deadline: both answered, both counted.
+    ok = await client.post("/v1/completions", {**body, "max_tokens": 40, "stream": True})
+    usage = parse_sse(ok.text)
+    assert usage[-1] == "[DONE]"
+    final = await scrape(client)
+    assert delta(final, after, "sglang:num_requests_total") == 2
 
 
 @pytest.mark.tributary_config(max_running_requests=1)
