@@ -100,3 +100,16 @@ async def test_the_access_log_of_a_client_that_left_counts_the_tokens_it_got(
     assert fields["disconnected"] is True
     assert received == 5
     assert fields["completion_tokens"] >= received
+
+
+async def test_a_client_chosen_rid_cannot_forge_an_access_log_line(
+    tributary_client: AppClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tributary.access")
+    rid = "x\ntributary.access:\trid=admin\tstatus=200"
+    body = {"text": "hi", "rid": rid, "sampling_params": greedy(2)}
+    assert (await tributary_client.post("/generate", body)).status == 200
+    [record] = [r for r in caplog.records if r.name == "tributary.access"]
+    message = record.getMessage()
+    assert "\n" not in message and "\t" not in message
+    assert message.startswith('rid="x\\ntributary.access:\\trid=admin\\tstatus=200" ')
