@@ -143,7 +143,12 @@ async def handle_generate(
         if not req.stream:
             raise  # SGLang's 503 (errors.engine_error_response)
         return refused_stream_response(
-            req.items, exc, timing, batch=req.is_batch, weight_version=weight_version
+            req.items,
+            exc,
+            timing,
+            batch=req.is_batch,
+            weight_version=weight_version,
+            timing_detail=detail,
         )
     cleanup.extend(streams)
     timings = [timing.for_item(s, item) for s, item in zip(streams, req.items, strict=True)]

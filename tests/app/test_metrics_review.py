@@ -113,3 +113,25 @@ async def test_a_client_chosen_rid_cannot_forge_an_access_log_line(
     message = record.getMessage()
     assert "\n" not in message and "\t" not in message
     assert message.startswith('rid="x\\ntributary.access:\\trid=admin\\tstatus=200" ')
+
+
+@pytest.mark.tributary_config(max_running_requests=1, max_queued_requests=0)
+async def test_a_refused_stream_frame_carries_the_timing_keys_too(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    """--enable-request-timing: every answer's terminal meta_info has the six keys (null
+    where a phase did not happen), also SGLang's 200 abort frame of a full queue."""
+    settings = app.ServerSettings(enable_request_timing=True)
+    client = AppClient(app.create_app(tributary_engine, settings))
+    hold = {"text": "hello", "stream": True, "sampling_params": greedy(4000)}
+    async with client.stream("POST", "/generate", json=hold) as holder:
+        await holder.next_event()
+        body = {"text": "hi", "stream": True, "sampling_params": greedy(1)}
+        [frame, done] = parse_sse((await client.post("/generate", body)).text)
+        await holder.disconnect()
+    meta = frame["meta_info"]
+    assert meta["finish_reason"]["status_code"] == 503 and done == "[DONE]"
+    assert list(meta)[-7:] == ["e2e_latency", "time_to_first_token", "queue_time",
+                               "prefill_time", "decode_time", "mean_inter_token_latency",
+                               "decode_throughput"]  # fmt: skip
+    assert [meta[k] for k in list(meta)[-6:]] == [None] * 6
