@@ -293,6 +293,12 @@ class Engine:
             seqs += [s for r, s in self._live.items() if family.fullmatch(r)]
         return self._abort(seqs, message, status_code)
 
+    def count_refused(self, requests: int) -> None:
+        """Count `requests` more as refused by a full queue (`EngineStats.aborted_requests`):
+        the rest of a batch whose submission stopped at a `QueueFull`, which never reached
+        `submit` but were refused with it."""
+        self._scheduler.aborted_requests += requests
+
     def abort_all(self, *, message: str = "Aborted", status_code: int | None = None) -> int:
         """Abort every request in flight; see `abort`."""
         return self._abort(list(self._live.values()), message, status_code)

@@ -60,7 +60,6 @@ async def test_a_health_probe_is_not_counted_as_an_aborted_request(
     assert delta(after, before, "sglang:num_aborted_requests_total") == 0
 
 
-@pytest.mark.xfail(strict=True, reason="review: only the first refused item reaches the engine")
 @pytest.mark.tributary_config(max_running_requests=2, max_queued_requests=0)
 async def test_a_refused_streamed_batch_counts_each_refused_item_as_aborted(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
