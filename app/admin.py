@@ -17,6 +17,7 @@ from quart import Blueprint, Response
 
 from tributary import engine as engine_pkg
 from tributary.engine import (
+    HEALTH_CHECK_PREFIX,
     BadRequest,
     Done,
     Engine,
@@ -185,7 +186,7 @@ async def _probe(engine: Engine, timeout: float) -> bool:
     probe = GenerateRequest(
         input_ids=[0],
         sampling=SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}),
-        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        rid=f"{HEALTH_CHECK_PREFIX}{uuid.uuid4().hex}",
     )
     stream = None
     try:

@@ -134,7 +134,9 @@ def _text(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:.6f}"
-    if isinstance(value, str) and value and " " not in value and '"' not in value:
+    # Bare only when it cannot be misread: a client's rid with a newline or a tab would
+    # otherwise forge a line or a field (json.dumps escapes them).
+    if isinstance(value, str) and value.isprintable() and " " not in value and '"' not in value:
         return value
     return json.dumps(value, ensure_ascii=False)
 

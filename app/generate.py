@@ -38,15 +38,18 @@ def submit_all(
     ends by `deadline` (a 408 abort) if one is given.
 
     All or nothing: if one submit raises (bad input, duplicate rid, QueueFull, ...), the items
-    already submitted are aborted and the error propagates.
+    already submitted are aborted and the error propagates. On a full queue the items after
+    the refused one are counted as refused too, as each item is reported refused.
     """
     streams: list[RequestStream] = []
     try:
         for item in items:
             streams.append(engine.submit(item))
-    except BaseException:
+    except BaseException as exc:
         for stream in streams:
             stream.close()
+        if isinstance(exc, QueueFull):
+            engine.count_refused(len(items) - len(streams) - 1)
         raise
     if deadline is not None:
         deadline.bound(streams)
@@ -143,7 +146,12 @@ async def handle_generate(
         if not req.stream:
             raise  # SGLang's 503 (errors.engine_error_response)
         return refused_stream_response(
-            req.items, exc, timing, batch=req.is_batch, weight_version=weight_version
+            req.items,
+            exc,
+            timing,
+            batch=req.is_batch,
+            weight_version=weight_version,
+            timing_detail=detail,
         )
     cleanup.extend(streams)
     timings = [timing.for_item(s, item) for s, item in zip(streams, req.items, strict=True)]

@@ -88,6 +88,7 @@ def refused_stream_response(
     *,
     batch: bool,
     weight_version: str,
+    timing_detail: bool = False,
 ) -> Response:
     """SGLang's stream for requests refused before they ran (a full queue): its scheduler
     aborts each one with the status in the finish_reason, and the stream passes that abort on
@@ -118,6 +119,7 @@ def refused_stream_response(
             weight_version=weight_version,
             e2e_latency=refused.e2e_latency,
             index=i if batch else None,
+            timing=refused.detail() if timing_detail else None,  # all null: it never ran
         )
         frames.append(sse_event(frame))
     return sse_response(DataBody(b"".join([*frames, DONE])))

@@ -54,6 +54,11 @@ class RequestTiming:
         self.cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.failed = False  # ended with an `Error` item
+        #: Count the request in /metrics when its answer arrives. A caller whose response
+        #: may still fail after this item answered (a `/v1` choice: any choice's failure
+        #: fails the whole response) sets it False and calls `count_answer` on success.
+        self.count_on_done = True
+        self._counted = False
         self._last_output_at = 0.0
         self._last_tokens = 0
 
@@ -62,11 +67,16 @@ class RequestTiming:
         return cls(trio.current_time(), exchange)
 
     def for_item(
-        self, stream: RequestStream | None = None, request: GenerateRequest | None = None
+        self,
+        stream: RequestStream | None = None,
+        request: GenerateRequest | None = None,
+        *,
+        count_on_done: bool = True,
     ) -> RequestTiming:
         """A fresh timing for one engine request, sharing this request's start instant; the
         exchange (if any) logs it when the HTTP exchange ends."""
         item = RequestTiming(self.created_at, self.exchange)
+        item.count_on_done = count_on_done
         if stream is not None:
             item.rid = stream.rid
             item.prompt_tokens = stream.prompt_tokens
@@ -84,6 +94,8 @@ class RequestTiming:
             self.finish()
             return
         tokens = item.completion_tokens
+        # So far (the access log of a request whose client left reports what it got).
+        self.completion_tokens = tokens
         if self.first_output_at is None:
             self.first_output_at = now
             self._last_output_at, self._last_tokens = now, tokens
@@ -97,19 +109,19 @@ class RequestTiming:
         if isinstance(item, Done):
             self.finished_at = now
             self.prompt_tokens = item.prompt_tokens
-            self.completion_tokens = tokens
             self.cached_tokens = item.cached_tokens
             self.finish_reason = item.finish_reason
             self.admitted_at = item.admitted_at
             self.first_token_at = item.first_token_at
-            if abort_status(item.finish_reason) is None:
+            if self.count_on_done and abort_status(item.finish_reason) is None:
                 self.count_answer()
 
     def count_answer(self) -> None:
         """Count this request in /metrics as one that ended with an answer (its response
         carries `e2e_latency`)."""
         metrics = self.exchange.metrics if self.exchange is not None else None
-        if metrics is not None:
+        if metrics is not None and not self._counted:
+            self._counted = True
             metrics.observe_finished(self)
 
     def finish(self) -> None:

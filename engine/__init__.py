@@ -26,6 +26,7 @@ from .errors import InvalidSamplingParams as InvalidSamplingParams
 from .errors import QueueFull as QueueFull
 from .errors import RequestTruncated as RequestTruncated
 from .errors import RunnerFailure as RunnerFailure
+from .request import HEALTH_CHECK_PREFIX as HEALTH_CHECK_PREFIX
 from .request import Done as Done
 from .request import EngineStats as EngineStats
 from .request import Error as Error

@@ -31,6 +31,7 @@ from .request import (
     LogprobRequest,
     ModelInfo,
     abort_reason,
+    counts_as_request,
 )
 from .runners.base import Runner
 from .sampling import SamplingParams
@@ -249,7 +250,8 @@ class Engine:
             raise DuplicateRequestId(rid)
         max_new = _check_context(len(prompt_ids), params.max_new_tokens, info.context_length)
         if self._scheduler.queue_depth() >= self.config.max_queued_requests:
-            self._scheduler.aborted_requests += 1
+            if counts_as_request(rid):
+                self._scheduler.aborted_requests += 1
             raise QueueFull("The request queue is full.")  # SGLang's words; clients match them
         hooks = self._hooks(request, prompt_ids, rid)
         sender, receiver = open_output_channel(rid)
@@ -303,6 +305,12 @@ class Engine:
             family = re.compile(re.escape(rid) + r"_\d+")
             seqs += [s for r, s in self._live.items() if family.fullmatch(r)]
         return self._abort(seqs, message, status_code)
+
+    def count_refused(self, requests: int) -> None:
+        """Count `requests` more as refused by a full queue (`EngineStats.aborted_requests`):
+        the rest of a batch whose submission stopped at a `QueueFull`, which never reached
+        `submit` but were refused with it."""
+        self._scheduler.aborted_requests += requests
 
     def abort_all(self, *, message: str = "Aborted", status_code: int | None = None) -> int:
         """Abort every request in flight; see `abort`."""

@@ -43,6 +43,16 @@ def stop_reason(matched: int | str) -> FinishReason:
     return {"type": "stop", "matched": matched}
 
 
+#: The rid prefix of the server's own health probes (SGLang's): they are not client requests,
+#: so they are left out of the request counters (`EngineStats.aborted_requests`).
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
+
+
+def counts_as_request(rid: str) -> bool:
+    """Whether a request with this rid is counted in the engine's request counters."""
+    return not rid.startswith(HEALTH_CHECK_PREFIX)
+
+
 def abort_reason(
     message: str = "Aborted", *, status_code: int | None = None, err_type: str | None = None
 ) -> FinishReason:
@@ -174,7 +184,8 @@ class EngineStats:
     steps: int  # scheduler steps run so far
     generated_tokens: int  # tokens sampled so far, all requests
     #: Requests that ended aborted (any abort finish_reason: /abort_request, a client that
-    #: left, shutdown) or were refused by a full queue, since the engine opened.
+    #: left, shutdown) or were refused by a full queue, since the engine opened; the
+    #: server's own health probes (`HEALTH_CHECK_PREFIX`) are not counted.
     aborted_requests: int = 0
     kv_cache_bytes: int = 0  # memory the runner's KV cache allocates (0: not reported)
     prefix_cache_bytes: int = 0  # host memory the prefix cache holds now

@@ -45,6 +45,7 @@ from .request import (
     Logprobs,
     Output,
     abort_reason,
+    counts_as_request,
     length_reason,
     stop_reason,
 )
@@ -522,7 +523,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if reason["type"] == "abort":
+        if reason["type"] == "abort" and counts_as_request(seq.rid):
             self.aborted_requests += 1
         self._release(seq)
         seq.emit_done(reason)

@@ -70,7 +70,11 @@ async def create_chat_completion(
     items = served.expand([prompt_ids], req)
     streams = submit_all(engine, items, deadline)
     owned.extend(streams)
-    timings = [timing.for_item(s, item) for s, item in zip(streams, items, strict=True)]
+    # Counted in /metrics once the whole response has succeeded (collect, the stream's end).
+    timings = [
+        timing.for_item(s, item, count_on_done=False)
+        for s, item in zip(streams, items, strict=True)
+    ]
     head = served.response_head("chatcmpl", "chat.completion", req)
     if req.stream:
         renderer = _Chunks(head, req, served.speller)

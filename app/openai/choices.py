@@ -96,7 +96,9 @@ def usage_object(choices: Sequence[Choice], *, n: int) -> dict[str, Any]:
 async def collect(
     streams: Sequence[RequestStream], timings: Sequence[RequestTiming] | None = None
 ) -> list[Choice]:
-    """`timings[i]`, when given, observes choice i's items as they arrive."""
+    """`timings[i]`, when given, observes choice i's items as they arrive; the choices are
+    counted in /metrics (`RequestTiming.count_answer`) only when every one succeeded, since
+    a failure fails the whole response."""
     choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
     failures: list[EngineError | None] = [None] * len(streams)
 
@@ -118,4 +120,6 @@ async def collect(
     for failure in failures:
         if failure is not None:
             raise failure
+    for timing in timings or ():
+        timing.count_answer()
     return choices

@@ -64,7 +64,11 @@ async def create_completion(
     items = served.expand(req.prompts, req)
     streams = submit_all(engine, items, deadline)
     owned.extend(streams)
-    timings = [timing.for_item(s, item) for s, item in zip(streams, items, strict=True)]
+    # Counted in /metrics once the whole response has succeeded (collect, the stream's end).
+    timings = [
+        timing.for_item(s, item, count_on_done=False)
+        for s, item in zip(streams, items, strict=True)
+    ]
     head = served.response_head("cmpl", "text_completion", req)
     shapers = _logprob_shapers(served, req, echoes, len(streams))
     if req.stream:

@@ -87,6 +87,8 @@ class ChunkStreamBody(MultiplexedBody):
         """The chunks after every choice finished (the usage chunk, carrying `timings`)."""
         end = self._renderer.on_end(self._choices)
         self._attach_timings(end)
+        for timing in self._timings or ():
+            timing.count_answer()  # every choice answered: the response is one
         return end
 
     async def __anext__(self) -> bytes:

@@ -127,7 +127,10 @@ async def test_a_client_that_left_is_logged_as_disconnected(
     line = fields(record)
     assert (line["rid"], line["status"], line["disconnected"]) == ("gone", 200, True)
     assert line["finish"] is None and line["e2e_latency"] is None
-    # A unary request whose client leaves before any status was sent: 499.
+    # A unary request whose client leaves before any status was sent: 499. (The stream's
+    # sequence stays running until the next step boundary reaps it: wait for that, or
+    # `running == 1` below would hold before the unary request was even submitted.)
+    await wait_until(lambda: tributary_engine.stats().running == 0)
     access.clear()
     unary = {"text": "hello", "rid": "gone2", "sampling_params": greedy(1000)}
     async with tributary_client.stream("POST", "/generate", json=unary) as conn:
