@@ -112,6 +112,11 @@ class PrefixCache:
         if key in self._holders:  # already held, maybe by a longer entry
             self._touch(self._entries[self._holders[key][-1]])
             return False
+        # Decide first whether it can fit at all: a refused entry must not cost the cache the
+        # entries it would have evicted or replaced.
+        pinned = sum(e.nbytes for e in self._entries.values() if e.pins)
+        if pinned + state.nbytes > self.capacity_bytes:
+            return False
         for digest in hashes[:-1]:
             shorter = self._entries.get(digest)
             if shorter is not None and not shorter.pins:

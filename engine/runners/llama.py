@@ -517,15 +517,7 @@ class LlamaRunner:
         llama_cpp.llama_model_free(self._model)
 
     def _meta_str(self, key: bytes) -> str | None:
-        size = 1 << 16
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_model_meta_val_str(self._model, key, buf, size)
-            if n < 0:
-                return None
-            if n < size:
-                return buf.value.decode("utf-8", errors="replace")
-            size = n + 1
+        return _model_meta(self._model, key)
 
 
 _T = TypeVar("_T")
@@ -715,12 +707,35 @@ class LlamaKVState:
         return int(self.data.nbytes)
 
 
+def _model_meta(model: Any, key: bytes) -> str | None:
+    """A GGUF metadata value as text, or None if the model has no such key."""
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_model_meta_val_str(model, key, buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.value.decode("utf-8", errors="replace")
+        size = n + 1
+
+
 def _kv_bytes_per_cell(model: Any, bytes_per_element: float) -> int:
-    """K and V rows of every layer for one cell (grouped-query attention: n_head_kv heads)."""
+    """K and V rows of every layer for one cell (grouped-query attention: n_head_kv heads).
+
+    A head's K and V widths are the GGUF's `<arch>.attention.key_length` / `value_length`
+    where it has them, as llama.cpp reads them: many models' heads are not n_embd / n_head
+    wide (Qwen3-0.6B: 1024 / 16 = 64, but its heads are 128; Gemma's are 256)."""
     lib = llama_cpp
-    head_dim = lib.llama_model_n_embd(model) // lib.llama_model_n_head(model)
-    elements = 2 * lib.llama_model_n_layer(model) * lib.llama_model_n_head_kv(model) * head_dim
-    return math.ceil(elements * bytes_per_element)
+    default = lib.llama_model_n_embd(model) // lib.llama_model_n_head(model)
+    arch = _model_meta(model, b"general.architecture") or ""
+
+    def width(name: str) -> int:
+        value = _model_meta(model, f"{arch}.attention.{name}".encode())
+        return int(value) if value and value.isdigit() else default
+
+    per_layer = lib.llama_model_n_head_kv(model) * (width("key_length") + width("value_length"))
+    return math.ceil(lib.llama_model_n_layer(model) * per_layer * bytes_per_element)
 
 
 class _DecodeAhead:

@@ -30,3 +30,27 @@ def test_a_configuration_that_fits_passes_and_one_that_does_not_names_the_flags(
     assert "8 slots x 8192 cells" in message and "3.10 GiB" in message
     for flag in ("--context-length", "--max-running-requests", "--kv-cache-dtype", "--prefix"):
         assert flag in message
+
+
+def test_kv_bytes_per_cell_reads_the_heads_widths_from_the_gguf(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review (issue 9): a model whose heads are not n_embd / n_head wide (Qwen3-0.6B: 28
+    layers, n_embd 1024, 16 heads of 128, 8 KV heads) is sized by its GGUF's key and value
+    lengths, as llama.cpp allocates it, not at half its size."""
+    import llama_cpp
+
+    from tributary.engine.runners import llama
+
+    shape = {"n_embd": 1024, "n_head": 16, "n_head_kv": 8, "n_layer": 28}
+    for name, value in shape.items():
+        monkeypatch.setattr(llama_cpp, f"llama_model_{name}", lambda _m, v=value: v)
+    meta = {
+        b"general.architecture": "qwen3",
+        b"qwen3.attention.key_length": "128",
+        b"qwen3.attention.value_length": "128",
+    }
+    monkeypatch.setattr(llama, "_model_meta", lambda _m, key: meta.get(key))
+    assert llama._kv_bytes_per_cell(None, 2.0) == 28 * 8 * (128 + 128) * 2  # 114,688
+    meta.clear()  # no such keys: n_embd / n_head, llama.cpp's default
+    assert llama._kv_bytes_per_cell(None, 2.0) == 28 * 8 * (64 + 64) * 2

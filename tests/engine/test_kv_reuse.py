@@ -164,3 +164,43 @@ async def test_a_kv_cache_larger_than_memory_is_refused_naming_the_flags() -> No
     message = str(caught.value)
     for flag in ("--context-length", "--max-running-requests", "--kv-cache-dtype"):
         assert flag in message
+
+
+async def test_a_hit_on_part_of_a_longer_entry_beside_a_decode_gives_the_same_tokens(
+    eng: engine.Engine,
+) -> None:
+    """Review (issue 9): the restore that drops an entry's positions past the match
+    (`llama_memory_seq_rm`), run while another sequence decodes (its decode launched ahead
+    is in flight when the restore is planned), and forks taken beside it too."""
+    shared = document(eng, 3 * CHUNK)
+    mine = eng.tokenize("\nQuestion: what was moved on day 3? Answer:", add_special=False)
+    other = eng.tokenize("Once upon a time, in a land far away,")
+    assert eng.flush_cache()
+    cold = await run(eng, request(shared[:CHUNK] + mine))
+    # Greedy: a seeded draw at temperature 0.8 can change with the decode batch's size (the
+    # logits are not bitwise batch-invariant), which is no concern of KV reuse.
+    forked = [request(shared[: CHUNK + 40])] * 3
+    expected = (await run(eng, forked[0])).output_ids
+    assert eng.flush_cache()
+    await run(eng, request(shared + mine))  # an entry of 3 chunks
+    results: dict[str, object] = {}
+
+    async def decoding() -> None:
+        results["other"] = await run(eng, request(other, max_new_tokens=80))
+
+    async def warm() -> None:
+        await trio.sleep(0.2)
+        results["warm"] = await run(eng, request(shared[:CHUNK] + mine))
+        results["forks"] = await run_together(eng, forked)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(decoding)
+        nursery.start_soon(warm)
+    warm_result = results["warm"]
+    assert isinstance(warm_result, Result) and warm_result.cached_tokens == CHUNK
+    assert warm_result.output_ids == cold.output_ids
+    forks = results["forks"]
+    assert isinstance(forks, list)
+    assert [f.cached_tokens for f in forks] == [CHUNK, CHUNK + 40, CHUNK + 40]
+    assert [f.output_ids for f in forks] == [expected] * 3
+    assert eng.idle_report().idle

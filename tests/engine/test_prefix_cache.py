@@ -252,3 +252,22 @@ async def test_abort_during_the_fork_step_frees_everything(
     leader = await testing.collect(streams[0])
     assert isinstance(leader[-1], Done) and leader[-1].completion_tokens == 40
     await testing.wait_engine_idle(eng)
+
+
+def test_an_entry_that_cannot_fit_beside_pinned_ones_evicts_nothing() -> None:
+    """Review (issue 9): an insert that fails for want of room must not first drop the
+    entries it would have evicted, nor the shorter prefixes it would have replaced."""
+    cache = PrefixCache(capacity_bytes=100, chunk=4)
+    pinned, other, short = [1] * 4, [2] * 4, [3] * 4
+    assert cache.insert(pinned, state(4, nbytes=60))
+    assert cache.insert(other, state(4, nbytes=30))
+    hit = cache.lookup([*pinned, 0])
+    assert hit is not None
+    cache.pin(hit.entry)
+    assert not cache.insert([4] * 4, state(4, nbytes=50))  # 60 pinned + 50 > 100
+    assert [e.tokens[0] for e in cache] == [2, 1] and cache.bytes == 90  # other kept
+    cache.clear()
+    assert [e.tokens[0] for e in cache] == [1]
+    assert cache.insert(short, state(4, nbytes=30))
+    assert not cache.insert([*short, 5, 5, 5, 5], state(8, nbytes=50))  # would replace short
+    assert cache.holds(short) and cache.bytes == 90  # short kept
