@@ -48,16 +48,29 @@ class InsufficientMemory(ValueError):
     """The model and the KV cache a configuration allocates exceed the available memory."""
 
 
-def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """Linux's estimate of memory available to a new program without swapping (MemAvailable:
-    free memory plus reclaimable caches), in bytes; None where there is no such file."""
+def mem_available(
+    meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Memory a new program can use without swapping or being killed, in bytes: Linux's
+    MemAvailable (free memory plus reclaimable caches), lowered to what the process's cgroup
+    v2 limit still allows (`memory.max` minus `memory.current`) when it runs in a container
+    with one. None when neither can be read."""
+    available: int | None = None
     try:
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
+                break
     except OSError:
-        return None
-    return None
+        pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((cgroup / "memory.current").read_text().strip())
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def describe_bytes(n: int) -> str:

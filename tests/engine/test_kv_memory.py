@@ -15,8 +15,9 @@ GIB = 1 << 30
 def test_mem_available_reads_meminfo(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24683652 kB\nMemAvailable:   1000 kB\n")
-    assert mem_available(meminfo) == 1000 * 1024
-    assert mem_available(tmp_path / "missing") is None
+    no_cgroup = tmp_path / "no-cgroup"
+    assert mem_available(meminfo, no_cgroup) == 1000 * 1024
+    assert mem_available(tmp_path / "missing", no_cgroup) is None
 
 
 def test_a_configuration_that_fits_passes_and_one_that_does_not_names_the_flags() -> None:
@@ -54,3 +55,17 @@ def test_kv_bytes_per_cell_reads_the_heads_widths_from_the_gguf(
     assert llama._kv_bytes_per_cell(None, 2.0) == 28 * 8 * (128 + 128) * 2  # 114,688
     meta.clear()  # no such keys: n_embd / n_head, llama.cpp's default
     assert llama._kv_bytes_per_cell(None, 2.0) == 28 * 8 * (64 + 64) * 2
+
+
+def test_a_cgroup_limit_lowers_what_is_available(tmp_path: Path) -> None:
+    """In a container the kernel kills at the cgroup's limit, whatever MemAvailable says."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 6000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("2147483648\n")  # 2 GiB
+    (cgroup / "memory.current").write_text("536870912\n")  # 0.5 GiB in use
+    assert mem_available(meminfo, cgroup) == 1610612736
+    (cgroup / "memory.max").write_text("max\n")  # no limit
+    assert mem_available(meminfo, cgroup) == 6000000 * 1024
+    assert mem_available(tmp_path / "missing", tmp_path / "none") is None
