@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import trio
+from apphelpers import chat_sim_runner
 from hypothesis import strategies as st
 
 from tributary.app import create_app, open_http_server
@@ -37,12 +38,6 @@ FUZZ_ENGINE = sim_config(
     context_length=256,
     max_queued_requests=8,
     sim_latency=SimLatency(step_base=0.0, decode_per_seq=0.0, prefill_per_token=0.0),
-)
-
-#: ChatML, so that /v1/chat/completions runs on the sim model (which has no template).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 SAMPLING_FIELDS = [
@@ -254,6 +249,11 @@ raw_bodies = {
 # -- a server in a thread ----------------------------------------------------------------------
 
 
+def fuzz_runner() -> SimRunner:
+    """A sim runner for `FUZZ_ENGINE` whose model has a chat template."""
+    return chat_sim_runner(FUZZ_ENGINE)
+
+
 @dataclasses.dataclass
 class ThreadedServer:
     """An engine, its app (in memory) and a real Hypercorn for it, on a Trio loop running in
@@ -277,11 +277,7 @@ def threaded_server() -> Iterator[ThreadedServer]:
 
     async def main() -> None:
         stop.append(trio.Event())
-        runner = SimRunner(
-            context_length=FUZZ_ENGINE.context_length or 256, latency=FUZZ_ENGINE.sim_latency
-        )
-        runner.info = dataclasses.replace(runner.info, chat_template=CHAT_TEMPLATE)
-        async with open_engine(FUZZ_ENGINE, runner=runner) as engine:
+        async with open_engine(FUZZ_ENGINE, runner=fuzz_runner()) as engine:
             app = create_app(engine, server_settings())
             async with open_http_server(app) as urls:
                 token = trio.lowlevel.current_trio_token()

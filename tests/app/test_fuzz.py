@@ -11,6 +11,7 @@ many per endpoint (150 by default; docs/reliability.md records longer runs).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +36,14 @@ FUZZ_SETTINGS = settings(
 def server() -> Iterator[ThreadedServer]:
     with threaded_server() as running:
         yield running
+
+
+@pytest.fixture(autouse=True)
+def nothing_logged_as_an_error(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """An exception escaping the app is only logged (by Hypercorn, or our 500 handlers)."""
+    yield
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
 
 
 def check_answer(path: str, status: int, headers: dict[str, str], body: bytes) -> None:
