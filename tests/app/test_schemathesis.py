@@ -41,6 +41,7 @@ async def test_schemathesis_finds_no_server_error_and_no_schema_violation(tmp_pa
             cases = re.search(r"(\d+) generated, (\d+) passed", output)
             assert cases and cases.group(1) == cases.group(2), output[-3000:]
             assert int(cases.group(1)) >= 19 * EXAMPLES  # every operation ran
+            print(f"schemathesis: {cases.group(1)} cases, all passed")
             async with httpx.AsyncClient(base_url=server.url) as client:
                 assert (await client.get("/health")).status_code == 200
             await wait_engine_idle(engine)

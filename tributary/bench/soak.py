@@ -109,6 +109,7 @@ def plan_jobs(
     disconnect_share: float = 0.4,
     max_new: tuple[int, int] = (4, 40),
     leaving_max_new: int = 2000,
+    kinds: Sequence[str] = KINDS,
 ) -> list[Job]:
     """`count` jobs, the same for the same seed. A client that leaves while its request runs
     (`after_send`, `mid_response`) asks for `leaving_max_new` tokens: if its request were not
@@ -120,7 +121,7 @@ def plan_jobs(
         tokens = rng.randint(*max_new)
         jobs.append(
             Job(
-                kind=rng.choice(KINDS),
+                kind=rng.choice(kinds),
                 moment=moment,
                 max_new=leaving_max_new if moment in ("after_send", "mid_response") else tokens,
                 delay=rng.uniform(0.0, 0.04),
