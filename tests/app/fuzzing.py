@@ -1,10 +1,12 @@
 """Hypothesis strategies for hostile request bodies, and a server in a thread of its own that
 synchronous Hypothesis tests can drive (tests/app/test_fuzz.py).
 
-Bodies are bytes, not objects: most are JSON objects whose known fields (every sampling
-field included) hold values of any type, edge numbers, huge strings and unknown keys; some are
-then corrupted in ways a JSON encoder cannot produce (NaN and Infinity literals, invalid UTF-8,
-unpaired surrogate escapes, nesting deeper than a parser's stack, a cut body).
+Bodies are bytes, not objects. Two in three are nearly valid (a valid request but for up to
+two fields holding anything), so they reach the engine; one in three lets every known field
+(every sampling field included) hold values of any type, edge numbers, huge strings, and adds
+unknown keys. NaN and Infinity are written as the bare literals JSON lacks; one body in four
+is then corrupted in ways a JSON encoder cannot produce (invalid UTF-8, an unpaired surrogate
+escape, nesting deeper than a parser's stack, a cut body, not JSON at all).
 """
 
 from __future__ import annotations
