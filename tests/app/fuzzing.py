@@ -72,6 +72,8 @@ CHAT_FIELDS = [
     "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
 ]  # fmt: skip
 ABORT_FIELDS = ["rid", "abort_all"]
+#: The rid of the batch that runs beside every fuzzed /abort_request (test_fuzz.py).
+VICTIM = "victim"
 
 # Placeholders the encoder replaces by literals JSON does not have.
 _NAN, _INF, _NEG_INF = "\x00NaN\x00", "\x00Inf\x00", "\x00-Inf\x00"
@@ -206,7 +208,14 @@ BODIES: dict[str, Any] = {
         {**openai_valid, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)},
         CHAT_FIELDS,
     ),
-    "/abort_request": bodies({}, {"rid": texts, "abort_all": st.booleans()}, ABORT_FIELDS),
+    "/abort_request": bodies(
+        {},
+        {
+            "rid": st.one_of(st.sampled_from([VICTIM, f"{VICTIM}_1", "vic", ""]), texts),
+            "abort_all": st.booleans(),
+        },
+        ABORT_FIELDS,
+    ),
 }
 
 

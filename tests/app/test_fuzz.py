@@ -10,6 +10,7 @@ many per endpoint (150 by default; docs/reliability.md records longer runs).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from collections.abc import Iterator
@@ -17,13 +18,16 @@ from typing import Any
 
 import httpx
 import pytest
-from fuzzing import EXAMPLES, ThreadedServer, raw_bodies, threaded_server
+import trio
+from fuzzing import EXAMPLES, VICTIM, ThreadedServer, raw_bodies, threaded_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tributary.testing import parse_sse, wait_engine_idle
 
 PATHS = list(raw_bodies)
+#: How the victims of the /abort_request examples ended (for the record: -s prints them).
+VICTIM_ENDS: collections.Counter[str] = collections.Counter()
 FUZZ_SETTINGS = settings(
     derandomize=True,
     database=None,
@@ -84,9 +88,43 @@ def check_still_serving(server: ThreadedServer) -> None:
 
 
 async def _post_in_memory(server: ThreadedServer, path: str, raw: bytes) -> Any:
+    if path == "/abort_request":
+        return await _abort_beside_a_victim(server, raw)
     return await server.client.request(
         "POST", path, body=raw, headers={"content-type": "application/json"}
     )
+
+
+async def _abort_beside_a_victim(server: ThreadedServer, raw: bytes) -> Any:
+    """Send the fuzzed abort while a streamed batch (rid `VICTIM`) generates, so that aborts
+    by rid, by batch rid and of everything have something to abort; the victim's stream must
+    end properly, each item by its length or by an abort."""
+    body = {
+        "text": ["a", "b"],
+        "rid": VICTIM,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 250, "temperature": 0},
+    }
+    victim: list[Any] = []
+
+    async def run_victim() -> None:
+        victim.append(await server.client.post("/generate", body))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_victim)
+        with trio.fail_after(5):
+            while not server.engine.stats().running:
+                await trio.sleep(0)
+        reply = await server.client.request(
+            "POST", "/abort_request", body=raw, headers={"content-type": "application/json"}
+        )
+    events = parse_sse(victim[0].body)
+    assert victim[0].status == 200 and events[-1] == "[DONE]", victim[0].body[-300:]
+    finishes = [e["meta_info"]["finish_reason"] for e in events[:-1]]
+    ends = [f["type"] for f in finishes if f is not None]
+    assert sorted(ends) in (["length", "length"], ["abort", "abort"], ["abort", "length"]), ends
+    VICTIM_ENDS[" ".join(sorted(ends))] += 1
+    return reply
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -99,6 +137,8 @@ def test_fuzz_in_memory(server: ThreadedServer, path: str) -> None:
         check_still_serving(server)
 
     example()
+    if VICTIM_ENDS:
+        print(f"victims of the fuzzed aborts ended: {dict(VICTIM_ENDS)}")
 
 
 @pytest.mark.parametrize("path", PATHS)
