@@ -103,7 +103,7 @@ async def _abort_beside_a_victim(server: ThreadedServer, raw: bytes) -> Any:
         "text": ["a", "b"],
         "rid": VICTIM,
         "stream": True,
-        "sampling_params": {"max_new_tokens": 250, "temperature": 0},
+        "sampling_params": {"max_new_tokens": 120, "temperature": 0},
     }
     victim: list[Any] = []
 
