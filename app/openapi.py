@@ -63,9 +63,10 @@ def _errors(error: str, *statuses: int) -> dict[str, Any]:
     """The error responses of an operation, each in the `error` component's shape."""
     reasons = {
         400: "A malformed body, a field of the wrong type or value, or a limit exceeded.",
-        401: "An API key is configured and the request does not carry it.",
+        401: "An API key (or, for admin routes, the admin key) is configured and not sent.",
         404: "No such model.",
-        413: "The body is too large.",
+        408: "The request's deadline (--request-timeout, X-Request-Timeout) passed.",
+        413: "The body is larger than --max-request-bytes.",
         500: "The model runner failed.",
         503: "The queue is full (with Retry-After) or the server is shutting down.",
     }
@@ -358,6 +359,17 @@ _ABORT_REQUEST: Schema = {
 }
 
 
+#: The per-request deadline of the generation routes (docs/api.md).
+_TIMEOUT_HEADER: dict[str, Any] = {
+    "name": "X-Request-Timeout",
+    "in": "header",
+    "required": False,
+    "description": "Seconds this request may take (positive, finite); only shortens "
+    "--request-timeout. Past it: 408, or in a stream an error item then [DONE].",
+    "schema": {"type": "number", "exclusiveMinimum": 0},
+}
+
+
 def _body(name: str) -> dict[str, Any]:
     return {"required": True, "content": _json(_ref(name))}
 
@@ -365,6 +377,7 @@ def _body(name: str) -> dict[str, Any]:
 def _paths() -> dict[str, Any]:
     generate = {
         "summary": "SGLang's native generation: single, batch, n samples, or SSE",
+        "parameters": [_TIMEOUT_HEADER],
         "requestBody": _body("GenerateRequest"),
         "responses": {
             "200": _answer(
@@ -381,7 +394,7 @@ def _paths() -> dict[str, Any]:
                 },
                 stream=True,
             ),
-            **_errors("Error", 400, 401, 413, 500),
+            **_errors("Error", 400, 401, 408, 413, 500),
             "503": {
                 "description": "The queue is full (with Retry-After) or the server is draining.",
                 "content": _json({"anyOf": [_ref("Error"), _ref("SGLangErrorResponse")]}),
@@ -398,12 +411,13 @@ def _paths() -> dict[str, Any]:
     def openai_op(name: str, request: str, answer: str) -> dict[str, Any]:
         return {
             "summary": f"OpenAI's {name}",
+            "parameters": [_TIMEOUT_HEADER],
             "requestBody": _body(request),
             "responses": {
                 "200": _answer(
                     f"A {name} object, or with `stream`, SSE chunks.", _ref(answer), stream=True
                 ),
-                **_errors("OpenAIError", 400, 401, 404, 413, 500, 503),
+                **_errors("OpenAIError", 400, 401, 404, 408, 413, 500, 503),
             },
         }
 
