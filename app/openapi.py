@@ -453,6 +453,42 @@ def _paths() -> dict[str, Any]:
             }
         },
         "/flush_cache": {"get": flush, "post": flush},
+        "/get_load": {
+            "get": {
+                "summary": "SGLang's load report, one entry per data-parallel rank",
+                "responses": {
+                    "200": _answer(
+                        "[{rid, http_worker_ipc, dp_rank, num_reqs, num_waiting_reqs, num_tokens}]",
+                        {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["num_reqs", "num_waiting_reqs", "num_tokens"],
+                                "properties": {
+                                    "num_reqs": _COUNT,
+                                    "num_waiting_reqs": _COUNT,
+                                    "num_tokens": _COUNT,
+                                },
+                            },
+                        },
+                    ),
+                    **_errors("Error", 401),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus text format, SGLang's metric names (docs/operations.md)",
+                "responses": {
+                    "200": _text("The metrics."),
+                    "404": {
+                        "description": "Served with --disable-metrics.",
+                        "content": _json(_ref("Error")),
+                    },
+                    **_errors("Error", 401),
+                },
+            }
+        },
         "/tokenize": {"post": tokenize},
         "/v1/tokenize": {"post": tokenize},
         "/detokenize": {"post": detokenize},
