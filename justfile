@@ -70,3 +70,7 @@ bench-crosscheck *ARGS: _ensure-setup
 # (docs/benchmarks/prefix-cache.md); e.g. `just bench-prefix-cache --rounds 9` on a quiet machine.
 bench-prefix-cache *ARGS: _ensure-setup
     {{venv}}/bin/python bench/prefix_cache.py {{ARGS}}
+
+# Disconnect soak on the real model: 2 rounds of 500 requests, 40% of clients leaving early (docs/benchmarks/soak.md).
+bench-soak *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/soak.py {{ARGS}}

@@ -6,7 +6,8 @@ Synopsis::
     async with open_http_server(app, settings) as urls: ...     # or app.test_client()
 
 Routes (docs/api.md has the wire details): `/generate` (POST, PUT) here; the endpoints around
-it in `admin.py`; OpenAI's `/v1` in `openai/`.
+it in `admin.py`; OpenAI's `/v1` in `openai/`; `/openapi.json`, describing them all, in
+`openapi.py`.
 
 Error handling: a handler raises `engine.EngineError` (or a subclass) for anything wrong with
 a request; one error handler turns it into `{"error": {"message", "code"}}` with the error's
@@ -26,7 +27,7 @@ from werkzeug.exceptions import HTTPException
 
 from tributary.engine import Engine, EngineClosed, EngineError
 
-from .admin import ADMIN_PATHS, admin_blueprint
+from .admin import ADMIN_PATHS, admin_blueprint, version
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
 from .errors import engine_error_response, error_response
 from .exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
@@ -36,6 +37,7 @@ from .metrics import Metrics
 from .normalize import read_json_body
 from .openai import openai_blueprint
 from .openai.errors import StatusError, Unauthorized, openai_error_response
+from .openapi import openapi_blueprint
 from .settings import ServerSettings
 from .state import ServerState
 from .tokenize import tokenize_blueprint
@@ -48,7 +50,8 @@ LOGGER = logging.getLogger("tributary.app")
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartTrio:
     """Build the app for `engine`. The caller keeps the engine open while the app serves."""
     settings = settings or ServerSettings()
-    app = QuartTrio("tributary")
+    # No static folder: every route is an API route that /openapi.json describes.
+    app = QuartTrio("tributary", static_folder=None)
     # Streams disable the timeout per response too; unary generations can be long as well.
     app.config["RESPONSE_TIMEOUT"] = None
     # Checked as the body arrives, before it is buffered whole (limits.py).
@@ -66,6 +69,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
     app.register_blueprint(admin_blueprint(engine, state))
     app.register_blueprint(openai_blueprint(engine, settings))
     app.register_blueprint(tokenize_blueprint(engine))
+    app.register_blueprint(openapi_blueprint(version()))
 
     @app.before_request
     async def name_the_endpoint() -> None:

@@ -28,6 +28,7 @@ from tributary.engine import (
     Output,
     SimLatency,
 )
+from tributary.engine.runners.sim import SimRunner
 
 #: A fast sim model for wire tests: about 2.5 ms per decode step.
 FAST = SimLatency(step_base=0.002, decode_per_seq=0.0005, prefill_per_token=0.00005)
@@ -49,6 +50,21 @@ META_KEYS = [
 def sim_config(**overrides: Any) -> EngineConfig:
     """The plugin's `sim_config` with the FAST latency model."""
     return testing.sim_config(**{"sim_latency": FAST, **overrides})
+
+
+#: ChatML, so that /v1/chat/completions runs on the sim model (which has no template).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_sim_runner(config: EngineConfig) -> SimRunner:
+    """A sim runner for `config` whose model has a chat template (`CHAT_TEMPLATE`); pass it
+    to `open_engine(config, runner=...)`."""
+    runner = SimRunner(context_length=config.context_length or 8192, latency=config.sim_latency)
+    runner.info = dataclasses.replace(runner.info, chat_template=CHAT_TEMPLATE)
+    return runner
 
 
 #: Port 0 and a 1 s graceful shutdown, with overrides.

@@ -46,6 +46,7 @@ def test_the_page_has_examples_for_every_endpoint() -> None:
     for path in [
         "/generate", "/health", "/health_generate", "/get_model_info", "/get_server_info",
         "/abort_request", "/flush_cache", "/tokenize", "/detokenize", "/get_load", "/metrics",
+        "/openapi.json",
     ]:  # fmt: skip
         assert f"{DOC_URL}{path}" in text, path
 
