@@ -195,7 +195,9 @@ class RequestStream:
         `sink` runs in the producer (the engine's scheduler), so it must not block or raise;
         it is the moment of delivery, which is what per-request timing wants to observe.
         A deadline is the consumer's to enforce: wait at most until `deadline`, then call
-        `time_out()`.
+        `time_out()`. An item the producer delivers after the deadline, before the consumer
+        has called `time_out()` (it was busy writing to a slow client), is dropped and the
+        sink gets the 408 `Done` in its place.
         """
         if self._sender is None:
             raise TypeError("this stream was built without its sender; it cannot be redirected")
@@ -203,6 +205,12 @@ class RequestStream:
         def deliver(item: Output) -> None:
             if self._closed or self._terminal:
                 return  # the consumer left, or the stream ended (a deadline's Done)
+            if self._timeout_reason is not None and trio.current_time() >= self._deadline:
+                # Produced after the deadline, before the consumer woke to call time_out()
+                # (a slow reader): it is dropped, and the stream ends with the 408 here.
+                self._terminal = True
+                sink(self._timeout_done())
+                return
             if isinstance(item, Done | Error):
                 self._terminal = True
             else:
