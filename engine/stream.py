@@ -23,6 +23,7 @@ redirected streams bounds its own wait by `stream.deadline` and then calls `time
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from types import TracebackType
@@ -33,6 +34,8 @@ from .errors import RequestTruncated
 from .request import Done, Error, FinishReason, Frame, Output, abort_reason
 
 __all__ = ["OutputSender", "RequestStream", "open_output_channel"]
+
+LOGGER = logging.getLogger("tributary.engine.stream")
 
 
 class OutputSender:
@@ -51,7 +54,7 @@ class OutputSender:
         if isinstance(item, Done | Error):
             self._terminal = True
         if self._sink is not None:
-            self._sink(item)
+            self._call_sink(item)
             return
         try:
             self._channel.send_nowait(item)
@@ -65,7 +68,16 @@ class OutputSender:
         self._channel.close()
         if self._sink is not None and not self._terminal:
             self._terminal = True
-            self._sink(Error(self._rid, RequestTruncated()))
+            self._call_sink(Error(self._rid, RequestTruncated()))
+
+    def _call_sink(self, item: Output) -> None:
+        # The sink runs in the producer (the engine's scheduler): a bug in one consumer must
+        # not end the scheduler, and every other request with it.
+        assert self._sink is not None
+        try:
+            self._sink(item)
+        except Exception:
+            LOGGER.exception("the sink of request %s raised; the item is lost", self._rid)
 
     def _redirect(self, sink: Callable[[Output], None]) -> None:
         self._sink = sink

@@ -108,3 +108,25 @@ async def test_a_stream_without_its_sender_cannot_be_redirected() -> None:
     stream = engine.RequestStream(rid="r", prompt_tokens=1, receiver=receiver, abort=lambda: None)
     with pytest.raises(TypeError, match="without its sender"):
         stream.redirect(lambda item: None)
+
+
+async def test_a_sink_that_raises_does_not_kill_the_scheduler(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    """`sink` must not raise, but a bug in one response body must not take the engine (and
+    every other client) down with it."""
+    calls = 0
+
+    def sink(item: engine.Output) -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("a buggy sink")
+
+    bad = tributary_engine.submit(request("bad", max_new_tokens=20))
+    bad.redirect(sink)
+    other = [item async for item in tributary_engine.submit(request("other", 5))]
+    assert isinstance(other[-1], Done) and calls >= 1
+    bad.close()
+    await testing.wait_engine_idle(tributary_engine)
+    after = [item async for item in tributary_engine.submit(request("after", 3))]
+    assert isinstance(after[-1], Done)
