@@ -406,7 +406,13 @@ def _paths() -> dict[str, Any]:
     server_info = {
         "responses": {"200": _answer("Settings and a scheduler snapshot.", {"type": "object"})}
     }
-    flush = {"responses": {"200": _text("Cache flushed."), **_errors("Error", 401)}}
+    flush = {
+        "responses": {
+            "200": _text("Cache flushed."),
+            "400": _text("Requests were running or waiting, so nothing was flushed."),
+            **_errors("Error", 401),
+        }
+    }
 
     def openai_op(name: str, request: str, answer: str) -> dict[str, Any]:
         return {

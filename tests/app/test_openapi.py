@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from tributary.app import create_app
+from tributary.engine import GenerateRequest, SamplingParams
 from tributary.testing import AppClient
 
 #: Methods every route answers by itself (Quart adds them); the document leaves them out.
@@ -50,3 +51,17 @@ async def test_the_document_is_openapi_3_with_resolvable_references(
     for item in doc["paths"].values():
         for operation in item.values():
             assert "200" in operation["responses"]
+
+
+async def test_a_busy_flush_cache_answers_a_documented_status(
+    tributary_client: AppClient, tributary_engine: Any
+) -> None:
+    """SGLang's `/flush_cache` says 400 while requests run; the document must list it
+    (schemathesis never sees a busy engine, so only this catches it)."""
+    sampling = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1000})
+    doc = (await tributary_client.get("/openapi.json")).json()
+    async with tributary_engine.submit(GenerateRequest(text="busy", sampling=sampling)):
+        for method in ("get", "post"):
+            reply = await tributary_client.request(method.upper(), "/flush_cache")
+            assert reply.status == 400
+            assert "400" in doc["paths"]["/flush_cache"][method]["responses"]
