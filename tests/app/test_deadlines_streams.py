@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import trio
-from apphelpers import FAST, greedy
+from apphelpers import FAST, chat_sim_runner, greedy, sim_config
 
-from tributary import engine, testing
+from tributary import app, engine, testing
 from tributary.app.sse import EventStreamBody
 from tributary.app.timing import RequestTiming
 from tributary.engine import Frame
@@ -56,8 +56,6 @@ async def test_every_stream_shape_ends_at_the_deadline(
 async def test_incremental_stream_ends_at_the_deadline(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:
-    from tributary import app
-
     settings = testing.server_settings(incremental_streaming_output=True)
     client = testing.AppClient(app.create_app(tributary_engine, settings))
     body = {"text": "hi", "stream": True, "sampling_params": LONG}
@@ -100,3 +98,24 @@ async def test_a_body_read_late_delivers_nothing_produced_after_its_deadline(
     assert sent == sum(len(i.output_ids) for _, i in delivered if isinstance(i, Frame))
     assert sent > 0
     await testing.wait_engine_idle(tributary_engine, timeout=STEP)
+
+
+async def test_a_chat_stream_ends_at_the_deadline(autojump_clock: trio.abc.Clock) -> None:
+    config = sim_config()
+    async with engine.open_engine(config, runner=chat_sim_runner(config)) as eng:
+        client = testing.AppClient(app.create_app(eng, testing.server_settings()))
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4000,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        start = trio.current_time()
+        response = await client.post("/v1/chat/completions", json=body, headers=header("0.25"))
+        assert trio.current_time() - start == pytest.approx(0.25, abs=STEP)
+        assert response.status == 200, response.body
+        events = response.events()
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["type"] == "timeout_error"
+        assert all("error" not in e for e in events[:-2]) and len(events) > 3
+        await testing.wait_engine_idle(eng, timeout=STEP)
