@@ -121,6 +121,9 @@ ABORT_MARGIN_SHARE = 0.2
 ABORT_MARGIN_STEPS = 2.0
 
 
+SHUTTING_DOWN = "The server is shutting down."
+
+
 def abort_delay(graceful_timeout: float, slowest_step: float) -> float:
     """Seconds after a graceful shutdown begins to abort what still generates: the deadline
     less max(20% of it, two of the slowest recent steps); 0 (at once) if that is past."""
@@ -131,11 +134,15 @@ def abort_delay(graceful_timeout: float, slowest_step: float) -> float:
 async def abort_leftovers(engine: Engine, graceful_timeout: float) -> None:
     """End what still generates before the graceful deadline with a 503 the client can read.
 
-    The margin comes from the step times measured when shutdown begins (a large model or a
-    long prefill chunk makes steps long); while draining no new request is accepted, so
-    steps do not grow meanwhile."""
+    Requests still queued get their 503 at once: admitted while draining, a queued prompt's
+    first prefill chunk could take longer than any step measured so far, and an abort only
+    takes effect at a step boundary (its client would then be cut off instead). The running
+    ones carry on until the deadline less a margin from the step times measured when
+    shutdown begins (a large model or a long prefill chunk makes steps long); while draining
+    nothing new is admitted, so steps do not grow meanwhile."""
+    engine.abort_waiting(message=SHUTTING_DOWN, status_code=503)
     await trio.sleep(abort_delay(graceful_timeout, engine.slowest_recent_step()))
-    engine.abort_all(message="The server is shutting down.", status_code=503)
+    engine.abort_all(message=SHUTTING_DOWN, status_code=503)
 
 
 async def serve(

@@ -316,6 +316,11 @@ class Engine:
         """Abort every request in flight; see `abort`."""
         return self._abort(list(self._live.values()), message, status_code)
 
+    def abort_waiting(self, *, message: str = "Aborted", status_code: int | None = None) -> int:
+        """Abort every request still queued for a slot (not the running ones); each ends at
+        once, as `abort` ends a queued request."""
+        return self._abort(list(self._scheduler.waiting), message, status_code)
+
     def _abort(self, seqs: list[Sequence], message: str, status_code: int | None) -> int:
         err_type = None if status_code is None else "aborted"
         for seq in seqs:

@@ -186,6 +186,9 @@ class ScriptedEngine:
     def slowest_recent_step(self) -> float:
         return 0.0
 
+    def abort_waiting(self, **options: Any) -> int:
+        return 0
+
     def abort(self, rid: str, **options: Any) -> int:
         return 0
 
