@@ -45,7 +45,8 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from tributary.engine import BadRequest, GenerateRequest, LogprobRequest, SamplingParams
 
-from .limits import RequestTooLarge
+from .limits import TIMEOUT_HEADER, Deadline, RequestTooLarge
+from .settings import ServerSettings
 
 __all__ = ["NormalizedGenerate", "bool_field", "normalize_generate", "read_json_body"]
 
@@ -78,6 +79,15 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 _NO_PROMPT = "Either text, input_ids or input_embeds should be provided."
+
+
+async def read_within_deadline(settings: ServerSettings) -> tuple[Any, Deadline]:
+    """The current request's deadline (the server's `--request-timeout` and the request's
+    `X-Request-Timeout` header) and its JSON body, read within that deadline."""
+    deadline = Deadline.for_request(settings, request.headers.get(TIMEOUT_HEADER))
+    with deadline.applied():
+        body = await read_json_body()
+    return body, deadline
 
 
 async def read_json_body() -> Any:

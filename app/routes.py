@@ -32,9 +32,8 @@ from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
 from .errors import engine_error_response, error_response
 from .exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
 from .generate import handle_generate
-from .limits import TIMEOUT_HEADER, Deadline
 from .metrics import Metrics
-from .normalize import read_json_body
+from .normalize import read_within_deadline
 from .openai import openai_blueprint
 from .openai.errors import StatusError, Unauthorized, openai_error_response
 from .openapi import openapi_blueprint
@@ -105,9 +104,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartT
 
     @app.route("/generate", methods=["POST", "PUT"])
     async def generate() -> Response:
-        deadline = Deadline.for_request(settings, request.headers.get(TIMEOUT_HEADER))
-        with deadline.applied():
-            body = await read_json_body()
+        body, deadline = await read_within_deadline(settings)
         return await handle_generate(
             engine,
             settings,

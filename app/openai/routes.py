@@ -12,6 +12,7 @@ errors, and unexpected exceptions as a logged 500) is answered in OpenAI's shape
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from quart import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
@@ -20,8 +21,7 @@ from tributary.engine import Engine, EngineError
 
 from ..asgi import owned_by_request
 from ..exchange import exchange_of
-from ..limits import TIMEOUT_HEADER, Deadline
-from ..normalize import read_json_body
+from ..normalize import read_within_deadline
 from ..output import json_response
 from ..settings import ServerSettings
 from .chat import create_chat_completion
@@ -40,25 +40,20 @@ def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> 
     served = ServedModel.for_engine(engine, timing_detail=http.enable_request_timing)
     bp = Blueprint("openai", __name__, url_prefix="/v1")
 
-    @bp.route("/completions", methods=["POST"])
-    async def completions() -> Response:
-        deadline = Deadline.for_request(http, request.headers.get(TIMEOUT_HEADER))
-        with deadline.applied():
-            body = await read_json_body()
+    async def answer(create: Callable[..., Awaitable[Response]]) -> Response:
+        body, deadline = await read_within_deadline(http)
         scope = request.scope
-        return await create_completion(
+        return await create(
             served, body, owned_by_request(scope), exchange_of(scope), deadline=deadline
         )
 
+    @bp.route("/completions", methods=["POST"])
+    async def completions() -> Response:
+        return await answer(create_completion)
+
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
-        deadline = Deadline.for_request(http, request.headers.get(TIMEOUT_HEADER))
-        with deadline.applied():
-            body = await read_json_body()
-        scope = request.scope
-        return await create_chat_completion(
-            served, body, owned_by_request(scope), exchange_of(scope), deadline=deadline
-        )
+        return await answer(create_chat_completion)
 
     @bp.route("/models", methods=["GET"])
     async def models() -> Response:
