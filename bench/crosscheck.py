@@ -69,6 +69,7 @@ from serving import (
     LoadProbe,
     Server,
     ServerSpec,
+    bench_arguments,
     code_state,
     free_port,
     loadavg,
@@ -116,26 +117,7 @@ def run_tributary_bench(
 ) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     argv = [
         str(VENV_BIN / "tributary"),
-        "bench",
-        "--base-url",
-        server.url,
-        "--backend",
-        "openai",
-        "--load-prompts",
-        str(prompts_file),
-        "--num-prompts",
-        str(lv.num_prompts),
-        "--warmup",
-        str(lv.warmup),
-        "--concurrency",
-        str(lv.concurrency),
-        "--output-len",
-        str(output_len),
-        "--timeout",
-        "900",
-        "--no-progress",
-        "--output-json",
-        str(out),
+        *bench_arguments(server.url, "openai", prompts_file, lv, output_len, out, timeout=900),
     ]
     run = _timed_run(argv, server)
     if run.proc.returncode not in (0, 1) or not out.exists():

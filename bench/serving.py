@@ -481,6 +481,42 @@ def fill(value: Any, n: int) -> Any:
     return value
 
 
+def bench_arguments(
+    url: str,
+    backend: str,
+    prompts_file: str | Path,
+    lv: Level,
+    output_len: int,
+    out: Path,
+    *,
+    timeout: int,
+) -> list[str]:
+    """`tributary bench`'s arguments for one measurement: the saved prompts at `lv`'s
+    concurrency, without a progress bar, the result written to `out`."""
+    return [
+        "bench",
+        "--base-url",
+        url,
+        "--backend",
+        backend,
+        "--load-prompts",
+        str(prompts_file),
+        "--num-prompts",
+        str(lv.num_prompts),
+        "--warmup",
+        str(lv.warmup),
+        "--concurrency",
+        str(lv.concurrency),
+        "--output-len",
+        str(output_len),
+        "--timeout",
+        str(timeout),
+        "--no-progress",
+        "--output-json",
+        str(out),
+    ]
+
+
 def run_client(
     server: Server,
     backend: str,
@@ -498,28 +534,9 @@ def run_client(
     )
     argv = [
         *client,
-        "bench",
-        "--base-url",
-        server.url,
-        "--backend",
-        backend,
-        "--load-prompts",
-        prompts_file,
-        "--num-prompts",
-        str(lv.num_prompts),
-        "--warmup",
-        str(lv.warmup),
-        "--concurrency",
-        str(lv.concurrency),
-        "--output-len",
-        str(output_len),
+        *bench_arguments(server.url, backend, prompts_file, lv, output_len, out, timeout=600),
         "--label",
         label,
-        "--timeout",
-        "600",
-        "--no-progress",
-        "--output-json",
-        str(out),
     ]
     extra = fill(server.spec.extra_body, output_len)
     if extra:
