@@ -44,6 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests)
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=defaults.prefill_chunk_tokens,
+        help="prompt tokens a prompt advances per step (its chunks' size)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens one step prefills, all prompts together "
+        f"(default: {engine.DEFAULT_MAX_PREFILL_TOKENS}, or one chunk if larger)",
+    )
     p.add_argument("--stream-interval", type=int, default=defaults.stream_interval)
     p.add_argument(
         "--incremental-streaming-output",
@@ -140,6 +153,8 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         context_length=args.context_length,
         max_running_requests=args.max_running_requests,
         max_queued_requests=args.max_queued_requests,
+        prefill_chunk_tokens=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
         stream_interval=args.stream_interval,
         threads=args.threads,
         enable_custom_logit_processor=args.enable_custom_logit_processor,

@@ -135,6 +135,12 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
             "/health",
             backends=("openai", "generate"),
         ),
+        "tributary-prefill-256": ServerSpec(
+            "tributary --max-prefill-tokens 256",
+            [*tributary, "--max-prefill-tokens", "256"],
+            "/health",
+            backends=("openai", "generate"),
+        ),
         "llama-server": ServerSpec(
             "llama-server",
             [

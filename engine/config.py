@@ -22,6 +22,10 @@ class SimLatency:
     prefill_per_token: float = 0.0033
 
 
+#: Prompt tokens a step may prefill unless configured (llama-server's default batch size).
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     #: "llama" runs the real model; "sim" is the deterministic simulator for tests and
@@ -42,6 +46,14 @@ class EngineConfig:
     #: Prompt tokens processed per step (chunked prefill): the longest a prompt can stall
     #: running decodes is one step of this many tokens.
     prefill_chunk_tokens: int = 256
+    #: Prompt tokens one step may prefill, all prompts together (SGLang's
+    #: `--max-prefill-tokens`; llama-server's `--batch-size` plays the same part). Each
+    #: prompt still advances by at most one chunk a step, cut at the same fixed boundaries,
+    #: so this only decides how many prompts start together: a burst of short prompts is
+    #: prefilled in one step instead of one chunk's worth per step, at the cost of a longer
+    #: pause for the sequences decoding meanwhile. None: `DEFAULT_MAX_PREFILL_TOKENS`, or one
+    #: chunk if that is larger.
+    max_prefill_tokens: int | None = None
     #: Emit a Frame every this many tokens (per-request `stream_interval` overrides it).
     stream_interval: int = 1
     #: CPU threads for llama.cpp; None means all cores.
@@ -77,6 +89,13 @@ class EngineConfig:
         for name in ("max_running_requests", "prefill_chunk_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens is not None and (
+            self.max_prefill_tokens < self.prefill_chunk_tokens
+        ):
+            raise ValueError(
+                f"max_prefill_tokens ({self.max_prefill_tokens}) must be at least "
+                f"prefill_chunk_tokens ({self.prefill_chunk_tokens})"
+            )
         if self.max_queued_requests < 0:
             raise ValueError(
                 f"max_queued_requests must be at least 0, got {self.max_queued_requests}"
@@ -91,6 +110,13 @@ class EngineConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+    @property
+    def prefill_budget(self) -> int:
+        """Prompt tokens one step may prefill."""
+        if self.max_prefill_tokens is None:
+            return max(DEFAULT_MAX_PREFILL_TOKENS, self.prefill_chunk_tokens)
+        return self.max_prefill_tokens
 
     @property
     def prefix_cache_bytes(self) -> int:

@@ -5,8 +5,8 @@ Each step:
 1. reap: sequences marked aborted leave (KV freed, an abort `Done` sent);
 2. admit: waiting requests take free slots, FIFO (each slot has a whole context of KV
    cells, and submit has checked the request fits one);
-3. plan: one decode token per decoding sequence, plus prompt chunks of prefilling sequences
-   up to `prefill_chunk_tokens`, so a long prompt stalls decodes by at most one chunk;
+3. plan: one decode token per decoding sequence, plus at most one prompt chunk of each
+   prefilling sequence, up to `max_prefill_tokens` in all;
 4. `await runner.step(plan)`;
 5. commit: append sampled tokens, detokenize, check stop conditions, send `Frame`/`Done`.
 
@@ -162,6 +162,7 @@ class Scheduler:
         self.runner = runner
         self.max_running = config.max_running_requests
         self.prefill_chunk = config.prefill_chunk_tokens
+        self.prefill_budget = config.prefill_budget
         self.kv_total_cells = kv_total_cells
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
@@ -346,7 +347,7 @@ class Scheduler:
         plan: list[SeqStep] = []
         sampling: list[Sequence] = []
         stepped: list[Sequence] = []
-        budget = self.prefill_chunk
+        budget = self.prefill_budget
         forked: list[Sequence] = []
         for seq in self.running:
             assert seq.slot is not None

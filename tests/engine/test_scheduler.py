@@ -106,21 +106,23 @@ async def test_late_request_joins_running_batch_at_next_step(
     assert len(long_items) == 40
 
 
-@pytest.mark.tributary_config(prefill_chunk_tokens=256)
+@pytest.mark.parametrize("budget", [256, 4096])
 async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
-    tributary_engine: engine.Engine,
-    autojump_clock: trio.abc.Clock,
+    autojump_clock: trio.abc.Clock, budget: int
 ) -> None:
+    """Whatever the step's prefill budget: it decides how many prompts start together,
+    never how one prompt is cut."""
     chunk = 256
-    eng = tributary_engine
-    decoder = eng.submit(request("x", max_new_tokens=60))
-    decoded: list[tuple[float, engine.Output]] = []
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(collect, decoder, decoded)
-        while len(decoded) < 3:
-            await trio.sleep(0.001)
-        big = eng.submit(request("y" * 2000, max_new_tokens=1))
-        big_items = await collect(big)
+    config = sim_config(prefill_chunk_tokens=chunk, max_prefill_tokens=budget)
+    async with engine.open_engine(config) as eng:
+        decoder = eng.submit(request("x", max_new_tokens=60))
+        decoded: list[tuple[float, engine.Output]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, decoder, decoded)
+            while len(decoded) < 3:
+                await trio.sleep(0.001)
+            big = eng.submit(request("y" * 2000, max_new_tokens=1))
+            big_items = await collect(big)
     times = [t for t, _ in decoded]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     one_chunk_step = step_cost(decoding=1, prefill=chunk)
@@ -129,6 +131,43 @@ async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
     assert sum(1 for g in gaps if g > 1.5 * step_cost(decoding=1)) == math.ceil(2000 / chunk)
     assert isinstance(big_items[-1][1], Done)
     assert big_items[-1][1].prompt_tokens == 2000
+
+
+@pytest.mark.parametrize("budget", [256, 1024])
+async def test_a_burst_of_prompts_starts_within_the_prefill_budget(
+    autojump_clock: trio.abc.Clock, budget: int
+) -> None:
+    """Sixteen 60-token prompts arriving at once: with a 256-token budget they start four
+    at a time, a step apart; with 1,024 all sixteen get their first token from one step."""
+    config = sim_config(max_running_requests=16, max_prefill_tokens=budget)
+    first_token: list[float] = []
+    async with engine.open_engine(config) as eng:
+        start = trio.current_time()
+
+        async def first(stream: engine.RequestStream) -> None:
+            async with stream:
+                async for _ in stream:
+                    first_token.append(trio.current_time() - start)
+                    break
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                stream = eng.submit(request(chr(65 + i) * 60, max_new_tokens=8))
+                nursery.start_soon(first, stream)
+    if budget == 1024:
+        assert first_token == [pytest.approx(step_cost(prefill=960))] * 16
+    else:
+        waves = sorted(set(first_token))
+        assert len(waves) == 4 and first_token.count(waves[-1]) == 4
+        assert waves[0] == pytest.approx(step_cost(prefill=240))
+        assert waves[-1] > 4 * step_cost(prefill=240)
+
+
+def test_a_prefill_budget_smaller_than_a_chunk_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_prefill_tokens .* must be at least"):
+        EngineConfig(prefill_chunk_tokens=256, max_prefill_tokens=128)
+    # Unset, the budget is never below one chunk.
+    assert EngineConfig(prefill_chunk_tokens=4096).prefill_budget == 4096
 
 
 @pytest.mark.tributary_config(max_running_requests=1, max_queued_requests=2)
@@ -362,7 +401,7 @@ async def test_closing_a_generator_around_the_stream_aborts(
     assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
 
 
-@pytest.mark.tributary_config(prefill_chunk_tokens=8, sim_fail_at_step=1)
+@pytest.mark.tributary_config(prefill_chunk_tokens=8, max_prefill_tokens=8, sim_fail_at_step=1)
 async def test_runner_failure_spares_sequences_outside_the_failed_step(
     tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
