@@ -32,7 +32,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -159,6 +159,10 @@ class LlamaRunner:
         self._batch = llama_cpp.llama_batch_init(self._max_step_tokens, 0, 1)
 
         self._samplers: dict[int, ctypes.c_void_p] = {}
+        #: Slots whose chain is greedy alone (no logit bias, no penalties): their token is the
+        #: row's argmax, read with numpy (see `_sample`).
+        self._argmax: set[int] = set()
+        self._row_views: dict[int, np.ndarray] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
         #: KV cells per slot, as llama.cpp counts them (refreshed on the compute thread).
         self._slot_cells: dict[int, int] = {}
@@ -229,6 +233,8 @@ class LlamaRunner:
     def open_sequence(self, seq_id: int, params: SamplingParams) -> None:
         assert seq_id not in self._samplers, f"slot {seq_id} is busy"
         self._samplers[seq_id] = self._sampler_chain(params)
+        if params.greedy and not params.logit_bias and not _penalized(params):
+            self._argmax.add(seq_id)
         self._opened.add(seq_id)
 
     def close_sequence(self, seq_id: int) -> None:
@@ -236,6 +242,7 @@ class LlamaRunner:
         # queued behind it (jobs run in order, so before the next step's); the slot counts as
         # empty from now on. Samplers are only used by step jobs, never running now.
         chain = self._samplers.pop(seq_id, None)
+        self._argmax.discard(seq_id)
         if chain is not None:
             llama_cpp.llama_sampler_free(chain)
         self._freeing.add(seq_id)
@@ -259,7 +266,7 @@ class LlamaRunner:
             lib.llama_sampler_chain_add(
                 chain, lib.llama_sampler_init_logit_bias(self._n_vocab, len(p.logit_bias), biases)
             )
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        if _penalized(p):
             lib.llama_sampler_chain_add(
                 chain,
                 lib.llama_sampler_init_penalties(
@@ -303,6 +310,7 @@ class LlamaRunner:
         prompt). It costs nothing extra: llama.cpp ran a mixed step as several graphs anyway.
         """
         sampled: dict[int, int] = {}  # plan index -> token
+        touched = {s.seq_id for s in plan}  # slots whose KV this step changes
         singles = [i for i, s in enumerate(plan) if len(s.tokens) == 1]
         ahead, self._ahead = self._ahead, None
         opened, self._opened = self._opened, set()
@@ -324,6 +332,7 @@ class LlamaRunner:
             for seq_id, _token, pos in ahead.outputs:
                 if seq_id not in self._freeing:
                     llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
+                    touched.add(seq_id)
         # Restores after that clean-up, which may touch a slot that was just reopened.
         for s in plan:
             if s.restore is not None:
@@ -337,7 +346,7 @@ class LlamaRunner:
         for i, s in enumerate(plan):
             if len(s.tokens) > 1:
                 self._decode(plan, [i], sampled, forks)
-        self._count_kv()
+        self._count_kv(touched)
         if self._overlap and sampled:
             # Every sequence that got a token will decode it next step unless it finishes:
             # start that decode now, so llama.cpp's threads never wait for the event loop.
@@ -419,10 +428,10 @@ class LlamaRunner:
             followers = forks.get(plan[i].seq_id, [])
             # Suppression and hooks write into the row: each fork samples from the row as
             # the decode left it, so it draws exactly what its own prefill would have given.
-            row = self._rows(idx, 1)[0].copy() if followers else None
+            row = self._row(idx).copy() if followers else None
             sampled[i] = self._sample(plan[i], idx)
             for f in followers:
-                self._rows(idx, 1)[0][:] = row
+                self._row(idx)[:] = row
                 sampled[f] = self._sample(plan[f], idx)
         for i in members:
             s = plan[i]
@@ -466,8 +475,13 @@ class LlamaRunner:
                     logits[token] = -math.inf
         chain = self._samplers[s.seq_id]
         if s.hooks is None:
+            if s.seq_id in self._argmax:
+                # What the greedy sampler picks (the first highest logit), without building
+                # llama.cpp's candidate array over the whole vocabulary: 0.1 ms a token on
+                # the compute thread, between one decode and the next.
+                return int(np.argmax(self._row(idx)))
             return int(llama_cpp.llama_sampler_sample(chain, self._ctx, idx))
-        row = self._rows(idx, 1)[0]
+        row = self._row(idx)
         s.hooks.prepare(row)
         token = int(llama_cpp.llama_sampler_sample(chain, self._ctx, idx))
         s.hooks.sampled(row, token)
@@ -477,16 +491,32 @@ class LlamaRunner:
         """The logits of `count` consecutive outputs from batch index `first`, as a writable
         float32 view of llama.cpp's output buffer (no copy): a sequence's outputs are
         consecutive rows there."""
+        if count == 1:
+            return self._row(first)[np.newaxis]
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, first)
         rows = np.ctypeslib.as_array(ptr, shape=(count, self._n_vocab))
-        if count > 1:
-            last = llama_cpp.llama_get_logits_ith(self._ctx, first + count - 1)
-            step = self._n_vocab * ctypes.sizeof(ctypes.c_float)
-            assert (
-                ctypes.addressof(last.contents) - ctypes.addressof(ptr.contents)
-                == (count - 1) * step
-            ), "llama.cpp's output rows are not consecutive"
+        last = llama_cpp.llama_get_logits_ith(self._ctx, first + count - 1)
+        step = self._n_vocab * ctypes.sizeof(ctypes.c_float)
+        assert (
+            ctypes.addressof(last.contents) - ctypes.addressof(ptr.contents) == (count - 1) * step
+        ), "llama.cpp's output rows are not consecutive"
         return rows
+
+    def _row(self, idx: int) -> np.ndarray:
+        """The logits of batch index `idx`, as a writable float32 view kept per address:
+        made once, not per token (`np.ctypeslib.as_array` runs enough Python to cost 50-60
+        µs right after a decode has swept the caches). A view is only looked up by the
+        address llama.cpp has just returned for current logits, so a view made for an
+        output buffer since reallocated is never read unless a new row sits at that very
+        address."""
+        address = ctypes.addressof(llama_cpp.llama_get_logits_ith(self._ctx, idx).contents)
+        row = self._row_views.get(address)
+        if row is None:
+            if len(self._row_views) >= 4 * self._max_step_tokens:
+                self._row_views.clear()  # an output buffer was reallocated: forget the old
+            buffer = (ctypes.c_float * self._n_vocab).from_address(address)
+            row = self._row_views[address] = np.frombuffer(buffer, dtype=np.float32)
+        return row
 
     def kv_used_cells(self) -> int:
         # llama.cpp's own count after the last job, less the slots released since (their
@@ -494,13 +524,18 @@ class LlamaRunner:
         cells = self._slot_cells
         return sum(n for slot, n in list(cells.items()) if slot not in self._freeing)
 
-    def _count_kv(self) -> None:
-        """Refresh the per-slot KV counts from llama.cpp (compute thread only)."""
-        cells: dict[int, int] = {}
-        for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)):
+    def _count_kv(self, seq_ids: Iterable[int] | None = None) -> None:
+        """Refresh the per-slot KV counts from llama.cpp (compute thread only): of `seq_ids`,
+        or of every slot. A step refreshes only its own slots: two calls per slot across
+        the ctypes boundary, each of which may wait for the GIL, are not worth spending on
+        slots the step did not touch between one decode and the next."""
+        cells = dict(self._slot_cells)
+        for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)) if seq_ids is None else seq_ids:
             hi = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
             if hi >= 0:
                 cells[seq_id] = hi - llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id) + 1
+            else:
+                cells.pop(seq_id, None)
         self._slot_cells = cells
 
     def close(self) -> None:
@@ -518,6 +553,10 @@ class LlamaRunner:
 
     def _meta_str(self, key: bytes) -> str | None:
         return _model_meta(self._model, key)
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)
 
 
 _T = TypeVar("_T")
@@ -541,11 +580,26 @@ class ComputeThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name="llama-compute", daemon=True)
+        self._wakes: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._work, args=(self._jobs,), name="llama-compute", daemon=True
+        )
         self._thread.start()
+        # Waking a Trio run is a socket write, and a thread returning from a system call
+        # must take the GIL back: the event loop it has just woken holds it for its whole
+        # burst of work (commit, detokenize, send), so the compute thread would start the
+        # decode launched ahead only after that burst (measured: 0.5-0.7 ms a token at
+        # concurrency 1, on a 6-7 ms decode). The compute thread hands each wake to this
+        # thread instead, which does the write while the decode runs (ctypes releases the
+        # GIL for it).
+        self._notifier = threading.Thread(
+            target=self._work, args=(self._wakes,), name="llama-notify", daemon=True
+        )
+        self._notifier.start()
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    @staticmethod
+    def _work(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (job := jobs.get()) is not None:
             try:
                 job()
             except BaseException:  # the thread must outlive any job; the next one still runs
@@ -584,15 +638,18 @@ class ComputeThread:
         done = trio.Event()
         handoff = _Handoff[_T]()
 
+        def wake() -> None:  # on the notifier thread
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:  # nobody will collect it: free it where it was made
+                self.submit(_free_orphan, handoff.abandon(), orphan)
+
         def job() -> None:
             result = outcome.capture(fn, *args)
             if not handoff.deliver(result):
                 _free_orphan(result, orphan)  # the caller has already left
                 return
-            try:
-                token.run_sync_soon(done.set)
-            except trio.RunFinishedError:
-                _free_orphan(handoff.abandon(), orphan)
+            self._wakes.put(wake)
 
         self._jobs.put(job)
         try:

@@ -100,6 +100,23 @@ async def test_greedy_is_batch_invariant(eng: engine.Engine) -> None:
     assert len({tuple(ids) for _, ids, _ in batched[:6]}) == 6
 
 
+async def test_plain_greedy_picks_what_llama_cpps_greedy_sampler_picks(
+    eng: engine.Engine,
+) -> None:
+    """Plain greedy requests take the row's argmax with numpy; a zero logit bias keeps the
+    same request on llama.cpp's sampler chain. Both give the same 64 tokens, for single
+    prompts and in a batch, including a request whose EOS is suppressed (min_new_tokens)."""
+    prompts = [*PROMPTS[:4], CHAT.format("Name a fruit.")]
+    for extra in ({}, {"min_new_tokens": 64}):
+        plain = await run_all(eng, [request(p, max_new_tokens=64, **extra) for p in prompts])
+        chained = await run_all(
+            eng,
+            [request(p, max_new_tokens=64, logit_bias={"7": 0.0}, **extra) for p in prompts],
+        )
+        assert [ids for _, ids, _ in plain] == [ids for _, ids, _ in chained]
+    assert eng._runner._argmax == set()  # type: ignore[attr-defined]  # closed slots leave
+
+
 async def test_stop_string_is_trimmed(eng: engine.Engine) -> None:
     text, _, _ = await run(eng, request(CHAT.format("What is the capital of France?")))
     assert "Paris" in text
