@@ -1,18 +1,24 @@
 """The fleet of upstream workers: the circuit breaker on the autojump clock, adding and
-removing workers, each policy's choices, and the cache-aware trees' bound."""
+removing workers, each policy's choices, the cache-aware trees' bound, and health probes
+against real loopback HTTP servers (on the real clock: under autojump, a probe's timeout
+could fire while the kernel still carries the answer)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import random
+import socket
 import tracemalloc
 from collections.abc import Callable
 
+import httpx
 import pytest
 import trio
 
 from tributary.engine.remote.fleet import Breaker, Fleet, Worker
+from tributary.engine.remote.health import check_fleet_health, run_health_checks
 from tributary.engine.remote.policy import POLICIES, CacheAware
 from tributary.engine.remote.radix_tree import RadixTree
 
@@ -334,3 +340,106 @@ async def test_radix_tree_memory_stays_flat_when_one_prompt_repeats() -> None:
     finally:
         tracemalloc.stop()
     assert grown < 20_000  # bytes: not one heap entry kept per insert
+
+
+# -- health checks, against real loopback servers on the real clock ------------------------
+
+
+class HealthServer:
+    """A loopback HTTP/1.1 server whose /health answers `status`, or never answers while
+    `status` is None. Counts the probes it got."""
+
+    def __init__(self, status: int | None) -> None:
+        self.status = status
+        self.probes = 0
+        self.url = ""
+
+    async def start(self, nursery: trio.Nursery) -> HealthServer:
+        serve = functools.partial(trio.serve_tcp, self._answer, 0, host="127.0.0.1")
+        listeners = await nursery.start(serve)
+        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        return self
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    return
+                head += chunk
+            assert head.startswith(b"GET /health HTTP/1.1\r\n"), head
+            self.probes += 1
+            if self.status is None:
+                await trio.sleep_forever()
+            reply = f"HTTP/1.1 {self.status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(reply.encode())
+
+
+def refused_url() -> str:
+    """A loopback URL where nothing listens: the port was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def test_one_round_judges_each_worker_within_the_timeout(nursery: trio.Nursery) -> None:
+    servers = [await HealthServer(status).start(nursery) for status in (200, 503, None)]
+    fleet = Fleet([(server.url, "sglang") for server in servers])
+    fleet.add(refused_url())
+    up, down, hung, refused = fleet.workers
+    async with httpx.AsyncClient() as client:
+        started = trio.current_time()
+        await check_fleet_health(fleet, client, timeout=0.5)
+        assert trio.current_time() - started < 1.5  # concurrent: one timeout, not the sum
+        assert [w.healthy for w in fleet.workers] == [True, False, False, False]
+        assert [s.probes for s in servers] == [1, 1, 1]
+        assert {fleet.choose(None) for _ in range(10)} == {up}
+        for _ in range(up.breaker.failure_threshold - 1):
+            await check_fleet_health(fleet, client, timeout=0.5)
+    assert up.breaker.state == "closed"
+    assert [w.breaker.state for w in (down, hung, refused)] == ["open"] * 3
+
+
+async def test_a_worker_that_comes_back_rejoins_through_a_probe(nursery: trio.Nursery) -> None:
+    server = await HealthServer(503).start(nursery)
+    fleet = Fleet([(server.url, "sglang")], breaker_factory=lambda: Breaker(open_seconds=1.0))
+    (worker,) = fleet.workers
+    async with httpx.AsyncClient() as client:
+        for _ in range(worker.breaker.failure_threshold):
+            await check_fleet_health(fleet, client, timeout=1)
+        assert worker.breaker.state == "open" and fleet.choose(None) is None
+        server.status = 200
+        await check_fleet_health(fleet, client, timeout=1)
+        # Healthy again, but the breaker still waits: no request goes there yet.
+        assert worker.healthy and worker.breaker.state == "open"
+        assert fleet.choose(None) is None
+        await trio.sleep(1.0)
+        assert worker.breaker.state == "half_open"
+        await check_fleet_health(fleet, client, timeout=1)  # the probe is the trial
+    assert worker.breaker.state == "closed"
+    assert fleet.choose(None) is worker
+    assert worker.breaker.opened_total == 1
+
+
+async def test_health_checks_follow_the_fleet_as_it_changes(nursery: trio.Nursery) -> None:
+    first, hung, later = [await HealthServer(s).start(nursery) for s in (200, None, 200)]
+    fleet = Fleet([(first.url, "sglang"), (hung.url, "sglang")])
+    async with httpx.AsyncClient() as client:
+        checks = functools.partial(run_health_checks, interval=0.05, timeout=0.5)
+        await nursery.start(checks, fleet, client)
+        # Started after the first round: every worker has a verdict.
+        assert (first.probes, hung.probes) == (1, 1)
+        assert [w.healthy for w in fleet.workers] == [True, False]
+        fleet.add(later.url)
+        fleet.remove(first.url)
+        probed_at_removal = first.probes
+        with trio.fail_after(5):
+            while later.probes < 3:  # the hung worker's timeouts do not stop the rounds
+                await trio.sleep(0.05)
+        # Three rounds later: at most the one round that may have begun before the removal
+        # (the first round outlasted the interval, so the next one starts at once).
+        assert first.probes <= probed_at_removal + 1
+        assert hung.probes >= 3 and [w.healthy for w in fleet.workers] == [False, True]
+        nursery.cancel_scope.cancel()  # stop the checks before their client closes
