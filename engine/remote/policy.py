@@ -121,8 +121,9 @@ class CacheAware:
     `balance_rel_threshold` times as many), the least loaded gets the request. Otherwise the
     worker whose tree shares the longest prefix with the prompt gets it, if that prefix is at
     least `cache_threshold` of the prompt; if not, the worker with the smallest tree (the most
-    room in its cache). The defaults are SGLang's; `max_tree_size` (characters or tokens per
-    tree) is smaller than SGLang's 2**26 because a Python tree costs more per character.
+    room in its cache). Ties, in either case, go to the less loaded. The defaults are SGLang's;
+    `max_tree_size` (characters or tokens per tree) is smaller than SGLang's 2**26 because a
+    Python tree costs more per character.
 
     Differences from SGLang: the load is compared among the candidates (SGLang counts unhealthy
     workers too, so one stuck worker can hold the fleet in load-balancing mode); a request
@@ -157,7 +158,8 @@ class CacheAware:
         if best / len(text) >= self.cache_threshold:
             hits = [w for w, m in zip(candidates, matches, strict=True) if m == best]
             return _least_loaded(hits)
-        return min(candidates, key=lambda w: trees[w].size if w in trees else 0)
+        # Trees stay empty until dispatches are recorded: then this is least-loaded routing.
+        return min(candidates, key=lambda w: (trees[w].size if w in trees else 0, w.in_flight))
 
     def record_dispatch(self, worker: Worker, key: RoutingKey | None) -> None:
         if key is None or len(key) == 0 or worker.removed:

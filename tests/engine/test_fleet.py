@@ -267,6 +267,17 @@ async def test_cache_aware_spreads_distinct_prompts() -> None:
     assert sorted(counts.values()) == [10, 10, 10, 10]
 
 
+async def test_cache_aware_misses_go_to_the_smallest_tree_then_the_least_loaded() -> None:
+    fleet = fleet_of(3)
+    w0, w1, w2 = fleet.workers
+    w0.in_flight, w1.in_flight, w2.in_flight = 5, 0, 3
+    assert fleet.choose("nothing recorded yet") is w1  # all trees empty
+    short, long = distinct_prompts(2, length=100)[0], distinct_prompts(1, length=900, seed=2)[0]
+    fleet.record_dispatch(w1, long)
+    fleet.record_dispatch(w2, short)
+    assert fleet.choose(distinct_prompts(1, seed=3)[0]) is w0  # the smallest tree, though busiest
+
+
 async def test_cache_aware_sends_to_the_least_loaded_when_load_is_imbalanced() -> None:
     fleet = fleet_of(3)
     w0, w1, w2 = fleet.workers
