@@ -88,6 +88,8 @@ class Breaker:
         return True
 
     def record_success(self) -> None:
+        """Closed: ends a run of failures. Half-open: a trial passed. Open: nothing (a request
+        sent before it opened came back; the wait is not cut short)."""
         if self.state == "half_open":
             self._trial_started = None
             self._successes += 1
@@ -96,6 +98,8 @@ class Breaker:
         self._failures = 0
 
     def record_failure(self) -> None:
+        """Closed: one more in the run (the run's `failure_threshold`-th opens it). Half-open:
+        the trial failed, open again and wait afresh. Open: nothing."""
         state = self.state
         if state == "half_open":
             self._open()
@@ -103,7 +107,6 @@ class Breaker:
             self._failures += 1
             if self._failures >= self.failure_threshold:
                 self._open()
-        # open: already refusing; a late failure does not push the trial further away.
 
     def _open(self) -> None:
         self._state = "open"

@@ -7,8 +7,10 @@ Synopsis::
         await nursery.start(run_health_checks, fleet, client)   # returns after the first round
         ...                                                     # serve; cancel to stop
 
-A 200 marks the worker healthy and, if its breaker is half-open, counts as the trial that
-closes it: a worker that came back rejoins without risking a user's request. Anything else
+A 200 marks the worker healthy and counts as a success for its breaker: if half-open, it is
+the trial that closes it (a worker that came back rejoins without risking a user's request);
+if closed, it ends a run of failures; if open, it changes nothing (the wait is not cut short:
+a worker that just failed several requests gets `open_seconds` of rest). Anything else
 (another status, a refused connection, no answer within `timeout`) marks it unhealthy and
 counts as a failure for its breaker, so a worker that stays down opens its breaker and is
 retried only by the probes. One worker's failure never ends the loop.
@@ -67,7 +69,7 @@ async def _probe(worker: Worker, client: httpx.AsyncClient, timeout: float) -> N
     if worker.removed:
         return  # left the fleet while the probe ran: nobody reads its verdict
     worker.healthy = ok
-    if not ok:
-        worker.breaker.record_failure()
-    elif worker.breaker.state == "half_open":
+    if ok:
         worker.breaker.record_success()
+    else:
+        worker.breaker.record_failure()

@@ -434,6 +434,19 @@ async def test_a_worker_that_comes_back_rejoins_through_a_probe(nursery: trio.Nu
     assert worker.breaker.opened_total == 1
 
 
+async def test_a_passing_probe_ends_a_run_of_failures(nursery: trio.Nursery) -> None:
+    server = await HealthServer(503).start(nursery)
+    fleet = Fleet([(server.url, "sglang")])
+    (worker,) = fleet.workers
+    async with httpx.AsyncClient() as client:
+        for status in (503, 503, 200, 503, 503):  # never three failures in a row
+            server.status = status
+            await check_fleet_health(fleet, client, timeout=1)
+        assert worker.breaker.state == "closed" and not worker.healthy
+        await check_fleet_health(fleet, client, timeout=1)
+    assert worker.breaker.state == "open"
+
+
 async def test_health_checks_follow_the_fleet_as_it_changes(nursery: trio.Nursery) -> None:
     first, hung, later = [await HealthServer(s).start(nursery) for s in (200, None, 200)]
     fleet = Fleet([(first.url, "sglang"), (hung.url, "sglang")])
