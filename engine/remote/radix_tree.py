@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Sequence
 
 __all__ = ["RadixTree", "token_key"]
@@ -30,10 +31,16 @@ __all__ = ["RadixTree", "token_key"]
 #: Code points run to 0x10FFFF; no tokenizer has that many ids. One outside the range (which the
 #: worker rejects anyway) folds into it: the tree is approximate and must not fail a request.
 _CODE_POINTS = 0x110000
+_UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 
 def token_key(input_ids: Sequence[int]) -> str:
-    return "".join(chr(i % _CODE_POINTS) for i in input_ids)
+    """The ids as a string, one code point each. Decoding them as UTF-32 takes 9 us for 1500
+    ids where `chr` one by one takes 60 us, and the event loop pays it twice a request."""
+    try:
+        return array(_UINT32, input_ids).tobytes().decode("utf-32-le", "surrogatepass")
+    except (OverflowError, UnicodeDecodeError):
+        return "".join(chr(i % _CODE_POINTS) for i in input_ids)
 
 
 class _Node:

@@ -301,6 +301,9 @@ async def test_cache_aware_routes_token_ids_by_prefix() -> None:
     text = "".join(map(chr, system))
     assert fleet.choose(text) is not owner
     assert send(fleet, list(range(5000, 5300))) is not owner
+    # Ids no tokenizer has (the worker will refuse them) are still routed, not an error here.
+    odd = [-1, 0xD800, 0x110000, 2**40]
+    assert send(fleet, odd) is send(fleet, [*odd, 5])
 
 
 async def test_cache_aware_trees_stay_bounded_over_10k_random_prompts() -> None:
