@@ -328,7 +328,7 @@ async def test_cache_aware_trees_stay_bounded_over_10k_random_prompts() -> None:
     assert send(fleet, last) is owner  # the most recent survives eviction
 
 
-async def test_radix_tree_evicts_least_recently_inserted_leaves() -> None:
+def test_radix_tree_evicts_least_recently_inserted_leaves() -> None:
     tree = RadixTree(max_size=100)
     tree.insert("a" * 40)
     tree.insert("b" * 40)
@@ -342,7 +342,7 @@ async def test_radix_tree_evicts_least_recently_inserted_leaves() -> None:
     assert (tree.match("a" * 40), tree.match("c" * 40)) == (20, 40)
 
 
-async def test_radix_tree_memory_stays_flat_when_one_prompt_repeats() -> None:
+def test_radix_tree_memory_stays_flat_when_one_prompt_repeats() -> None:
     tree = RadixTree(max_size=1000)
     tree.insert(SYSTEM)
     tracemalloc.start()
