@@ -252,6 +252,9 @@ def configure_logging(settings: ServerSettings) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+    if settings.log_level != "debug":
+        # httpx logs every request a front sends its workers (health probes included) at info.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 async def run_server(

@@ -68,7 +68,6 @@ def _errors(error: str, *statuses: int) -> dict[str, Any]:
         408: "The request's deadline (--request-timeout, X-Request-Timeout) passed.",
         413: "The body is larger than --max-request-bytes.",
         500: "The model runner failed.",
-        501: "Not on this server: it runs its own model (worker routes) or fronts workers.",
         503: "The queue is full (with Retry-After) or the server is shutting down.",
     }
     return {str(s): {"description": reasons[s], "content": _json(_ref(error))} for s in statuses}
@@ -394,7 +393,7 @@ def _worker_op(summary: str, *errors: int) -> dict[str, Any]:
         "requestBody": {"required": False, "content": _json(_ref("WorkerRequest"))},
         "responses": {
             "200": _answer("The worker's state.", _WORKER),
-            **_errors("Error", 400, 401, *errors, 501),
+            **_errors("Error", 400, 401, *errors),
         },
     }
 

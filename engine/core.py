@@ -26,7 +26,6 @@ from .errors import (
     ContextLengthExceeded,
     DuplicateRequestId,
     EngineClosed,
-    NotSupported,
     QueueFull,
 )
 from .grammar import GRAMMAR_KINDS, LlgMatcher
@@ -339,7 +338,8 @@ class Engine:
         return []  # the model is in this process
 
     def add_worker(self, url: str, kind: str = "sglang") -> WorkerStats:
-        raise NotSupported(
+        # A 400, not a 501: the request is wrong for this server, which could never take it.
+        raise BadRequest(
             "This server runs its own model; it has no workers (start it with --worker-url)."
         )
 

@@ -484,8 +484,9 @@ class RemoteEngine:
                     worker.breaker.record_success()
                     return None
             raise httpx.RemoteProtocolError("the stream ended without a terminal frame")
-        except (httpx.HTTPError, ValueError) as exc:
-            # ValueError: a frame that is not JSON. Either way the worker broke the exchange.
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            # ValueError: a frame that is not JSON; KeyError, IndexError: a /v1/models answer
+            # without a model. Either way the worker broke the exchange.
             worker.errors_total += 1
             worker.breaker.record_failure()
             detail = str(exc) or type(exc).__name__
