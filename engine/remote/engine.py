@@ -154,7 +154,9 @@ class _Item:
     request: GenerateRequest
     sender: OutputSender
     stream: RequestStream | None = None
-    scope: trio.CancelScope | None = None
+    scope: trio.CancelScope | None = None  # the forwarding task's
+    attempt: trio.CancelScope | None = None  # the current try's
+    started: bool = False  # an output has been delivered
     worker: Worker | None = None  # the one holding it now
     ended: bool = False
     prompt_tokens: int = 0
@@ -226,7 +228,11 @@ class RemoteEngine:
         return _worker_stats(self.fleet.add(url, kind))  # type: ignore[arg-type]
 
     def remove_worker(self, url: str) -> WorkerStats:
-        return _worker_stats(self.fleet.remove(url))
+        removed = self.fleet.remove(url)
+        for item in self._live.values():
+            if item.worker is removed and not item.started and item.attempt is not None:
+                item.attempt.cancel()  # retried elsewhere; what has output finishes there
+        return _worker_stats(removed)
 
     # -- what stays on the workers ---------------------------------------------------------
 
@@ -364,6 +370,7 @@ class RemoteEngine:
         if item.ended:
             return
         if isinstance(out, Frame | Done):
+            item.started = True
             self._generated_tokens += max(0, out.completion_tokens - item.completion_tokens)
             item.prompt_tokens = out.prompt_tokens
             item.completion_tokens = out.completion_tokens
@@ -433,7 +440,16 @@ class RemoteEngine:
 
     async def _attempt(self, item: _Item, worker: Worker, key: Any) -> EngineError | None:
         """One try on `worker`. Returns the failure if the item may be retried elsewhere;
-        None once the item has ended (or was aborted, which cancels this)."""
+        None once the item has ended (or was aborted, which cancels this). A worker removed
+        before the item's first output gives it up (`remove_worker` cancels the try)."""
+        with trio.CancelScope() as scope:
+            item.attempt = scope
+            return await self._try(item, worker, key)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._post_abort, worker, item.rid)
+        return WorkerFailure(f"Worker {worker.url} was removed.", status=503)
+
+    async def _try(self, item: _Item, worker: Worker, key: Any) -> EngineError | None:
         item.worker = worker
         worker.in_flight += 1
         worker.requests_total += 1

@@ -94,6 +94,13 @@ async def test_a_client_that_leaves_frees_the_sequence_on_the_worker() -> None:
         assert trio.current_time() - left < 0.2
         await testing.wait_engine_idle(worker.engine, timeout=1)
         assert fleet.front.load().num_reqs == 0
+        # ... and the worker was told by rid too (an SGLang worker waits 2 s before aborting
+        # a stream whose client left; its /abort_request acts at once).
+        with trio.fail_after(2):
+            while (
+                'endpoint="/abort_request"' not in (await client.get(f"{worker.url}/metrics")).text
+            ):
+                await trio.sleep(0.01)
 
 
 def _dead_urls(count: int) -> list[str]:
