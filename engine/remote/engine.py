@@ -32,7 +32,6 @@ item's rid to the worker holding it, in a task of its own, shielded, for at most
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from functools import partial
 from typing import Any
 
 import httpx
+import orjson
 import trio
 
 from ..core import EngineLoad
@@ -471,28 +471,16 @@ class RemoteEngine:
                     message = error_message(await response.aread(), status)
                     return self._failed(item, worker, status, message, started=False)
                 payloads = SSEPayloads()
-                async for line in response.aiter_lines():
-                    payload = payloads.feed(line)
-                    if payload is None:
+                async for chunk in response.aiter_bytes():
+                    for payload in payloads.feed(chunk):
+                        if payload == b"[DONE]":
+                            break
+                        outcome = self._take(item, worker, reader, orjson.loads(payload))
+                        if not isinstance(outcome, _More):
+                            return outcome
+                    else:
                         continue
-                    if payload == "[DONE]":
-                        break
-                    out = reader.read(json.loads(payload))
-                    if out is None:
-                        continue
-                    if isinstance(out, Error):
-                        status = out.error.http_status
-                        return self._failed(
-                            item, worker, status, out.error.message, started=reader.started
-                        )
-                    if isinstance(out, Done) and _worker_leaving(out) and not reader.started:
-                        # A worker shutting down refused it before any output: another may not.
-                        worker.errors_total += 1
-                        return WorkerFailure(str(out.finish_reason.get("message")), status=503)
-                    self._deliver(item, out)
-                    if isinstance(out, Done):
-                        worker.breaker.record_success()
-                        return None
+                    break  # [DONE]
             if isinstance(reader, openai.CompletionStreamReader):
                 done = reader.done()
                 if done is not None:
@@ -520,6 +508,30 @@ class RemoteEngine:
         finally:
             worker.in_flight -= 1
             item.worker = None
+
+    def _take(
+        self,
+        item: _Item,
+        worker: Worker,
+        reader: sglang.GenerateStreamReader | openai.CompletionStreamReader,
+        obj: Any,
+    ) -> EngineError | _More | None:
+        """One frame of the worker's: `_MORE` to read on, else what `_try` returns."""
+        out = reader.read(obj)
+        if out is None:
+            return _MORE
+        if isinstance(out, Error):
+            status = out.error.http_status
+            return self._failed(item, worker, status, out.error.message, started=reader.started)
+        if isinstance(out, Done) and _worker_leaving(out) and not reader.started:
+            # A worker shutting down refused it before any output: another may not.
+            worker.errors_total += 1
+            return WorkerFailure(str(out.finish_reason.get("message")), status=503)
+        self._deliver(item, out)
+        if isinstance(out, Done):
+            worker.breaker.record_success()
+            return None
+        return _MORE
 
     def _failed(
         self, item: _Item, worker: Worker, status: int, message: str, *, started: bool
@@ -587,6 +599,12 @@ class RemoteEngine:
             "vocab_size": vocab if isinstance(vocab, int) else None,
         }
 
+
+class _More:
+    """`_take`'s answer for "the item goes on: read the next frame"."""
+
+
+_MORE = _More()
 
 _NO_TOKENIZER = (
     "This server fronts a fleet of workers and has no tokenizer of its own (tokenization "

@@ -61,20 +61,26 @@ def error_status(obj: dict[str, Any], default: int) -> int:
 
 
 class SSEPayloads:
-    """Turns an SSE body's lines into its `data:` payloads (one per event; several `data:`
-    lines of one event are joined with newlines, as the SSE spec says)."""
+    """Cuts an SSE body, fed in chunks as they arrive, into its events' `data:` payloads
+    (several `data:` lines of one event are joined with newlines, as the SSE spec says).
+    It works on the bytes as they come (one split per chunk, no decoding to str) because
+    orjson parses bytes; an event cut between two chunks waits for the rest."""
 
     def __init__(self) -> None:
-        self._data: list[str] = []
+        self._buffer = b""
 
-    def feed(self, line: str) -> str | None:
-        line = line.rstrip("\r")
-        if not line:
-            if not self._data:
-                return None
-            payload, self._data = "\n".join(self._data), []
-            return payload
-        if line.startswith("data:"):
-            value = line[5:]
-            self._data.append(value[1:] if value.startswith(" ") else value)
-        return None  # comments, event:, id: lines carry nothing we use
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer + chunk
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")
+        *events, self._buffer = buffer.split(b"\n\n")
+        payloads = []
+        for event in events:
+            data = [
+                line[6:] if line.startswith(b"data: ") else line[5:]
+                for line in event.split(b"\n")
+                if line.startswith(b"data:")
+            ]  # comments, event: and id: lines carry nothing a front uses
+            if data:
+                payloads.append(b"\n".join(data))
+        return payloads

@@ -9,6 +9,7 @@ from typing import Any
 from tributary.engine import Done, Error, Frame, GenerateRequest, SamplingParams
 from tributary.engine.remote.openai import unsupported_fields
 from tributary.engine.remote.sglang import GenerateStreamReader, generate_body
+from tributary.engine.remote.wire import SSEPayloads
 
 
 def frame(text: str, ids: list[int], completion: int, finish: Any = None, **meta: Any) -> Any:
@@ -84,3 +85,14 @@ def test_the_body_passes_the_prompt_and_sampling_through() -> None:
     assert unsupported_fields(GenerateRequest(text="t", sampling=params)) == []
     regex = SamplingParams.from_dict({"regex": "a+"})
     assert unsupported_fields(GenerateRequest(text="t", sampling=regex)) == ["regex"]
+
+
+def test_sse_events_cut_anywhere_come_out_whole() -> None:
+    body = (
+        b'data: {"a": 1}\n\n: a comment\n\n'
+        b"event: x\r\ndata: two\r\ndata: lines\r\n\r\ndata: [DONE]\n\n"
+    )
+    for size in (1, 2, 7, len(body)):
+        payloads = SSEPayloads()
+        out = [p for i in range(0, len(body), size) for p in payloads.feed(body[i : i + size])]
+        assert out == [b'{"a": 1}', b"two\nlines", b"[DONE]"], size
