@@ -591,6 +591,12 @@ class RemoteEngine:
         response.raise_for_status()
         obj = response.json()
         length, vocab = obj.get("context_length"), obj.get("vocab_size")
+        if not isinstance(length, int):
+            # SGLang's /get_model_info has no context length; its /get_server_info has the
+            # longest prompt it takes (max_req_input_len, one less than the context).
+            server = await self._client.get(f"{worker.url}/get_server_info")
+            longest = server.json().get("max_req_input_len") if server.is_success else None
+            length = longest + 1 if isinstance(longest, int) else None
         return {
             "name": obj.get("served_model_name") or obj.get("model_path"),
             "path": obj.get("model_path"),

@@ -164,6 +164,12 @@ async def test_what_the_front_cannot_do_is_a_clear_501() -> None:
         assert logprobs.status_code == 501
         flush = await client.post(f"{fleet.url}/flush_cache")
         assert flush.status_code == 501
+        # What the front reports of the model is the worker's; its health probe goes through.
+        info = (await client.get(f"{fleet.url}/get_model_info")).json()
+        direct = (await client.get(f"{fleet.workers[0].url}/get_model_info")).json()
+        for key in ("model_path", "served_model_name", "context_length", "vocab_size"):
+            assert info[key] == direct[key]
+        assert (await client.get(f"{fleet.url}/health_generate")).status_code == 200
         completion = await client.post(
             f"{fleet.url}/v1/completions",
             json={
