@@ -1,5 +1,6 @@
-"""Serving from remote workers (SGLang, vLLM, Tributary): `open_remote_engine` yields an
-`EngineService` whose items are forwarded to a fleet. Import names from here."""
+"""Serving from a fleet of upstream workers (SGLang, vLLM, llama.cpp's server or other
+Tributary servers): which worker gets a request (`fleet`, `policy`), when a worker is left
+alone (`breaker`, `health`), and the engine that forwards to them."""
 
 from .engine import RemoteConfig as RemoteConfig
 from .engine import RemoteEngine as RemoteEngine
