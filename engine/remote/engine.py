@@ -69,6 +69,7 @@ from ..request import (
 from ..service_nursery import open_service_nursery
 from ..stream import OutputSender, RequestStream, open_output_channel
 from . import openai, sglang
+from .discovery import discover_model, openai_model_name, unknown_model
 from .fleet import Breaker, Fleet, Worker, WorkerKind
 from .health import run_health_checks
 from .wire import SSEPayloads, counts_against_worker, error_message, is_retryable_status
@@ -76,11 +77,6 @@ from .wire import SSEPayloads, counts_against_worker, error_message, is_retryabl
 __all__ = ["RemoteConfig", "RemoteEngine", "open_remote_engine"]
 
 LOGGER = logging.getLogger("tributary.engine.remote")
-
-#: What the front reports for a model it has not asked a worker about (no worker answered at
-#: start): token ids and lengths are then checked by the workers alone.
-UNKNOWN_CONTEXT = 1 << 30
-UNKNOWN_VOCAB = 1 << 31
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,7 +122,13 @@ async def open_remote_engine(config: RemoteConfig) -> AsyncIterator[RemoteEngine
         )
         fleet = Fleet(config.workers, policy=config.policy, breaker_factory=breakers)
         engine = RemoteEngine(config, fleet, client)
-        await engine._discover_model()
+        base = unknown_model(config.served_model_name or "remote")
+        info = await discover_model(
+            client, fleet.workers, timeout=config.health_check_timeout, base=base
+        )
+        if config.served_model_name:
+            info = dataclasses.replace(info, name=config.served_model_name)
+        engine._info = info
         async with open_service_nursery() as nursery:
             engine._nursery = nursery
             if config.health_check_interval > 0:
@@ -180,17 +182,7 @@ class RemoteEngine:
         self._models: dict[str, str] = {}  # openai worker URL -> its model name
         self._generated_tokens = 0
         self._aborted = 0
-        self._info = ModelInfo(
-            name=config.served_model_name or "remote",
-            path="",
-            context_length=UNKNOWN_CONTEXT,
-            train_context_length=UNKNOWN_CONTEXT,
-            vocab_size=UNKNOWN_VOCAB,
-            eos_token_ids=frozenset(),
-            eos_token_id=None,
-            bos_token_id=None,
-            chat_template=None,
-        )
+        self._info = unknown_model(config.served_model_name or "remote")
 
     # -- what the app reads -------------------------------------------------------------
 
@@ -547,63 +539,11 @@ class RemoteEngine:
         return None
 
     async def _model_of(self, worker: Worker) -> str:
-        """The model name an OpenAI worker serves (its first in /v1/models), asked once."""
+        """The model name an OpenAI worker serves, asked once."""
         model = self._models.get(worker.url)
         if model is None:
-            response = await self._client.get(f"{worker.url}/v1/models")
-            response.raise_for_status()
-            model = self._models[worker.url] = str(response.json()["data"][0]["id"])
+            model = self._models[worker.url] = await openai_model_name(self._client, worker.url)
         return model
-
-    async def _discover_model(self) -> None:
-        """What the model is, from the first worker that answers (the front has no model of
-        its own); with none answering, the front starts anyway and the workers check
-        lengths and token ids alone."""
-        for worker in self.fleet.workers:
-            try:
-                with trio.fail_after(self.config.health_check_timeout):
-                    info = await self._ask_model(worker)
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, trio.TooSlowError) as exc:
-                LOGGER.warning("no model info from %s: %s", worker.url, exc)
-                continue
-            self._info = dataclasses.replace(
-                self._info,
-                **{k: v for k, v in info.items() if v is not None},
-            )
-            if self.config.served_model_name:
-                self._info = dataclasses.replace(self._info, name=self.config.served_model_name)
-            return
-
-    async def _ask_model(self, worker: Worker) -> dict[str, Any]:
-        if worker.kind == "openai":
-            response = await self._client.get(f"{worker.url}/v1/models")
-            response.raise_for_status()
-            entry = response.json()["data"][0]
-            self._models[worker.url] = str(entry["id"])
-            length = entry.get("max_model_len")
-            return {
-                "name": str(entry["id"]),
-                "path": str(entry.get("root") or entry["id"]),
-                "context_length": length if isinstance(length, int) else None,
-                "train_context_length": length if isinstance(length, int) else None,
-            }
-        response = await self._client.get(f"{worker.url}/get_model_info")
-        response.raise_for_status()
-        obj = response.json()
-        length, vocab = obj.get("context_length"), obj.get("vocab_size")
-        if not isinstance(length, int):
-            # SGLang's /get_model_info has no context length; its /get_server_info has the
-            # longest prompt it takes (max_req_input_len, one less than the context).
-            server = await self._client.get(f"{worker.url}/get_server_info")
-            longest = server.json().get("max_req_input_len") if server.is_success else None
-            length = longest + 1 if isinstance(longest, int) else None
-        return {
-            "name": obj.get("served_model_name") or obj.get("model_path"),
-            "path": obj.get("model_path"),
-            "context_length": length if isinstance(length, int) else None,
-            "train_context_length": length if isinstance(length, int) else None,
-            "vocab_size": vocab if isinstance(vocab, int) else None,
-        }
 
 
 class _More:
