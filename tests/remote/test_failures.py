@@ -217,3 +217,18 @@ async def test_the_openai_kind_against_a_tributary_v1(field: str) -> None:
         )
         assert refused.status_code == 400
         assert field in refused.json()["error"]["message"]
+
+
+async def test_a_client_that_leaves_frees_the_sequence_on_an_openai_kind_worker() -> None:
+    async with (
+        open_fleet(1, latency=SLOW, kind="openai") as fleet,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        worker = fleet.workers[0]
+        body = {"text": "leave early", "sampling_params": greedy(500), "stream": True}
+        await testing.disconnect_after(f"{fleet.url}/generate", body, frames=2)
+        # No /abort_request on an OpenAI server: closing the upstream stream is the abort.
+        with trio.fail_after(2):
+            while (await client.get(f"{worker.url}/get_load")).json()[0]["num_reqs"]:
+                await trio.sleep(0.005)
+        await testing.wait_engine_idle(worker.engine, timeout=1)
