@@ -1,7 +1,9 @@
 """`admin_blueprint`: the endpoints around `/generate` that SGLang clients, routers and load
 balancers call: `/health`, `/health_generate`, `/get_model_info` (`/model_info`),
 `/get_server_info` (`/server_info`), `/get_load`, `/metrics` (unless metrics are disabled),
-`/abort_request`, `/flush_cache`. docs/api.md has the wire details.
+`/abort_request`, `/flush_cache`, and the worker routes of a front serving a fleet
+(`/list_workers`, `/add_worker`, `/remove_worker`: SGLang's model gateway's names).
+docs/api.md has the wire details.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ import uuid
 from urllib.parse import urlsplit
 
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from tributary import engine as engine_pkg
 from tributary.engine import (
     HEALTH_CHECK_PREFIX,
     BadRequest,
     Done,
-    Engine,
     EngineError,
+    EngineService,
     Error,
     GenerateRequest,
     QueueFull,
@@ -41,7 +43,7 @@ LOGGER = logging.getLogger("tributary.app")
 #: Routes that change what the server is doing (not only read it or generate): with
 #: `--admin-api-key` only that key opens them. A new state-changing route belongs here
 #: (tests/app/test_admin_auth.py fails for an unclassified one).
-ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
+ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/add_worker", "/remove_worker"})
 
 
 def version() -> str:
@@ -51,7 +53,7 @@ def version() -> str:
         return engine_pkg.__version__
 
 
-def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
+def admin_blueprint(engine: EngineService, state: ServerState) -> Blueprint:
     bp = Blueprint("tributary_admin", __name__)
     settings = state.settings
 
@@ -92,7 +94,7 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
         stats = engine.stats()
         return json_response(
             {
-                **dataclasses.asdict(engine.config),
+                **_config_fields(engine.config),
                 **dataclasses.asdict(settings),
                 # Never echo a secret.
                 "api_key": "***" if settings.api_key else None,
@@ -156,7 +158,53 @@ def admin_blueprint(engine: Engine, state: ServerState) -> Blueprint:
         flushed = engine.flush_cache()
         return Response(FLUSH_CACHE_MESSAGE, status=200 if flushed else 400, mimetype="text/plain")
 
+    @bp.route("/list_workers", methods=["GET"])
+    async def list_workers() -> Response:
+        return json_response({"workers": [dataclasses.asdict(w) for w in engine.worker_stats()]})
+
+    @bp.route("/add_worker", methods=["POST"])
+    async def add_worker() -> Response:
+        url, kind = await _worker_argument()
+        try:
+            added = engine.add_worker(url, kind)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        return json_response(dataclasses.asdict(added))
+
+    @bp.route("/remove_worker", methods=["POST"])
+    async def remove_worker() -> Response:
+        url, _ = await _worker_argument()
+        try:
+            removed = engine.remove_worker(url)
+        except KeyError:
+            return json_response({"error": {"message": f"No worker {url}.", "code": 404}}, 404)
+        return json_response(dataclasses.asdict(removed))
+
     return bp
+
+
+async def _worker_argument() -> tuple[str, str]:
+    """The worker a route names: `?url=...[&kind=...]` as SGLang's gateway takes it, or a
+    JSON body `{"url": ..., "kind": ...}`."""
+    url, kind = request.args.get("url"), request.args.get("kind")
+    if url is None:
+        body = await read_json_body()
+        if not isinstance(body, dict):
+            raise BadRequest('Name the worker: ?url=... or a JSON body {"url": ...}.')
+        url, kind = body.get("url"), body.get("kind", kind)
+    if not isinstance(url, str) or not url:
+        raise BadRequest("url must be a worker's base URL, e.g. http://10.0.0.5:30000.")
+    if kind is None:
+        kind = "sglang"
+    if kind not in ("sglang", "openai"):
+        raise BadRequest(f"kind must be 'sglang' or 'openai', got {kind!r}.")
+    return url, kind
+
+
+def _config_fields(config: object) -> dict[str, object]:
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    return {}
 
 
 #: SGLang's `/flush_cache` answer, sent with 200 (flushed) or 400 (requests were running or
@@ -175,7 +223,7 @@ def _bound_port(urls: list[str]) -> int | None:
 PROGRESS_POLL = 0.05
 
 
-async def _probe(engine: Engine, timeout: float) -> bool:
+async def _probe(engine: EngineService, timeout: float) -> bool:
     """SGLang's health probe: one greedy token from input_ids [0], within `timeout`.
 
     As in SGLang, any output counts: a busy engine passes as soon as it produces a token for

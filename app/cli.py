@@ -18,6 +18,7 @@ import trio
 
 from tributary import engine
 from tributary.bench import cli as bench_cli
+from tributary.engine import remote
 
 from .exchange import JsonFormatter
 from .loading import bound_port, serve_until_loaded
@@ -139,6 +140,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="terminal meta_info (and /v1 `timings`) carry time to first token, queue, "
         "prefill and decode time",
     )
+    fleet = p.add_argument_group(
+        "serving from workers",
+        "forward generation to SGLang, vLLM or Tributary workers "
+        "instead of loading a model (docs/scale-out.md)",
+    )
+    fleet.add_argument(
+        "--worker-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a worker's base URL (repeat for more); URL#openai sets its kind",
+    )
+    fleet.add_argument(
+        "--workers-file",
+        default=None,
+        metavar="PATH",
+        help="one worker a line: URL, URL#KIND or KIND URL; # starts a comment",
+    )
+    fleet.add_argument(
+        "--worker-kind",
+        choices=["sglang", "openai"],
+        default="sglang",
+        help="the kind of workers that do not say (sglang: POST /generate; openai: "
+        "POST /v1/completions, for vLLM and llama.cpp's server)",
+    )
+    fleet.add_argument("--policy", choices=list(remote.POLICIES), default="cache_aware")
+    fleet.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=remote.RemoteConfig().health_check_interval,
+        help="seconds between /health probes of each worker (0: none)",
+    )
+    fleet.add_argument(
+        "--max-retries",
+        type=int,
+        default=remote.RemoteConfig().max_retries,
+        help="retries on another worker for a request that failed before its first output",
+    )
     bench_cli.add_arguments(
         commands.add_parser("bench", help="benchmark a server over HTTP (see docs/benchmarks)")
     )
@@ -182,6 +221,44 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
     return engine_config, settings
 
 
+def remote_config(args: argparse.Namespace) -> remote.RemoteConfig | None:
+    """The fleet the flags name, or None (serve a model of our own). ValueError for a
+    worker line or kind that makes no sense."""
+    lines = list(args.worker_url)
+    if args.workers_file is not None:
+        with open(args.workers_file, encoding="utf-8") as file:
+            lines += [line.split(" #")[0].strip() for line in file]
+    workers = [parse_worker(line, args.worker_kind) for line in lines if line and line[0] != "#"]
+    if not workers:
+        return None
+    if args.max_retries < 0:
+        raise ValueError(f"--max-retries must be at least 0, got {args.max_retries}")
+    return remote.RemoteConfig(
+        workers=tuple(workers),
+        policy=args.policy,
+        served_model_name=args.served_model_name,
+        max_retries=args.max_retries,
+        health_check_interval=args.health_check_interval,
+    )
+
+
+def parse_worker(line: str, default_kind: str) -> tuple[str, remote.WorkerKind]:
+    """`URL`, `URL#KIND` or `KIND URL` -> (URL, KIND)."""
+    parts = line.split()
+    if len(parts) == 2:
+        kind, url = parts
+    elif len(parts) == 1:
+        url, _, kind = parts[0].partition("#")
+        kind = kind or default_kind
+    else:
+        raise ValueError(f"a worker is URL, URL#KIND or KIND URL, got {line!r}")
+    if kind not in ("sglang", "openai"):
+        raise ValueError(f"a worker's kind is sglang or openai, got {kind!r} in {line!r}")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"a worker URL starts with http:// or https://, got {url!r}")
+    return url.rstrip("/"), kind  # type: ignore[return-value]
+
+
 def configure_logging(settings: ServerSettings) -> None:
     """stderr at `settings.log_level`, as text or one JSON object per line."""
     handler = logging.StreamHandler(sys.stderr)
@@ -190,10 +267,18 @@ def configure_logging(settings: ServerSettings) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+    if settings.log_level != "debug":
+        # httpx logs every request a front sends its workers (health probes included) at info.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-async def run_server(engine_config: engine.EngineConfig, settings: ServerSettings) -> None:
-    """Serve until the first SIGINT/SIGTERM (graceful), or a second one (immediate)."""
+async def run_server(
+    engine_config: engine.EngineConfig,
+    settings: ServerSettings,
+    fleet: remote.RemoteConfig | None = None,
+) -> None:
+    """Serve until the first SIGINT/SIGTERM (graceful), or a second one (immediate); from
+    the workers of `fleet` when given, else from the model `engine_config` names."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             stop = trio.Event()
@@ -208,6 +293,18 @@ async def run_server(engine_config: engine.EngineConfig, settings: ServerSetting
                     stop.set()
 
             nursery.start_soon(watch_signals)
+            if fleet is not None:
+                async with remote.open_remote_engine(fleet) as front:
+                    async with open_http_server(front, settings) as urls:
+                        print(
+                            f"Tributary serving {front.model_info.name} from "
+                            f"{len(fleet.workers)} worker(s), policy {fleet.policy}, at {urls[0]}",
+                            flush=True,
+                        )
+                        await stop.wait()
+                LOGGER.info("shut down")
+                nursery.cancel_scope.cancel()
+                return
             # The port answers 503 while the model loads, then the real server takes it over.
             LOGGER.info("loading %s", engine_config.model_path or "SmolLM2-135M-Instruct")
             loaded, released = trio.Event(), trio.Event()
@@ -248,13 +345,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_cli.run(args)
     try:
         engine_config, settings = configs(args)
-    except ValueError as exc:  # a flag value the engine cannot run with
+        fleet = remote_config(args)
+    except (ValueError, OSError) as exc:  # a flag value the engine cannot run with
         print(f"tributary: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings)
     failures: list[BaseException] = []
     try:
-        trio.run(run_server, engine_config, settings)
+        trio.run(run_server, engine_config, settings, fleet)
     except* (OSError, ValueError, engine.EngineError) as group:
         # A model that is not there, a context it cannot take, a port in use: say so plainly.
         failures.extend(group.exceptions)

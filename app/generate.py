@@ -16,7 +16,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from tributary.engine import Done, Engine, Error, GenerateRequest, QueueFull, RequestStream
+from tributary.engine import Done, EngineService, Error, GenerateRequest, QueueFull, RequestStream
 
 from .asgi import Closeable
 from .errors import abort_status, error_object
@@ -32,7 +32,7 @@ __all__ = ["drain_batch", "drain_unary", "handle_generate", "submit_all"]
 
 
 def submit_all(
-    engine: Engine, items: Sequence[GenerateRequest], deadline: Deadline | None = None
+    engine: EngineService, items: Sequence[GenerateRequest], deadline: Deadline | None = None
 ) -> list[RequestStream]:
     """Submit every item before any is drained, so the scheduler batches them; each stream
     ends by `deadline` (a 408 abort) if one is given.
@@ -119,7 +119,7 @@ async def drain_batch(
 
 
 async def handle_generate(
-    engine: Engine,
+    engine: EngineService,
     settings: ServerSettings,
     body: Any,
     cleanup: list[Closeable],
@@ -183,7 +183,7 @@ async def handle_generate(
 
 
 def logprob_formats(
-    engine: Engine, items: Sequence[GenerateRequest], *, with_text: bool
+    engine: EngineService, items: Sequence[GenerateRequest], *, with_text: bool
 ) -> list[LogprobFormat | None]:
     """How each item's logprobs are written (None: the item asked for none)."""
 

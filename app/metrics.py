@@ -172,6 +172,43 @@ class Metrics:
             yield counter
         yield from self._http_families(model)
         yield from self._gauges(stats, model)
+        yield from self._worker_families()
+
+    def _worker_families(self) -> Iterator[Metric]:
+        """Per remote worker, labelled by URL (a front serving a fleet; nothing otherwise)."""
+        source = getattr(self.engine, "worker_stats", None)
+        workers = source() if source is not None else []
+        if not workers:
+            return
+        for name, doc, field in (
+            ("worker_requests", "Requests sent to the worker (attempts).", "requests_total"),
+            ("worker_errors", "Attempts that failed on the worker.", "errors_total"),
+            ("worker_retries", "Attempts retried elsewhere after failing here.", "retries_total"),
+            ("worker_breaker_opened", "Times the worker's breaker opened.", "breaker_opened_total"),
+        ):
+            counter = CounterMetricFamily(f"tributary:{name}", doc, labels=["worker"])
+            for w in workers:
+                counter.add_metric([w.url], getattr(w, field))
+            yield counter
+        in_flight = GaugeMetricFamily(
+            "tributary:worker_in_flight", "Requests in flight on the worker.", labels=["worker"]
+        )
+        healthy = GaugeMetricFamily(
+            "tributary:worker_healthy", "1 if the last health check passed.", labels=["worker"]
+        )
+        breaker = GaugeMetricFamily(
+            "tributary:worker_breaker_state",
+            "1 for the breaker's current state (closed, open, half_open).",
+            labels=["worker", "state"],
+        )
+        for w in workers:
+            in_flight.add_metric([w.url], w.in_flight)
+            healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
+            for state in ("closed", "open", "half_open"):
+                breaker.add_metric([w.url, state], 1.0 if w.breaker == state else 0.0)
+        yield in_flight
+        yield healthy
+        yield breaker
 
     def _http_families(self, model: str) -> Iterator[Metric]:
         requests = CounterMetricFamily(

@@ -64,7 +64,7 @@ def _errors(error: str, *statuses: int) -> dict[str, Any]:
     reasons = {
         400: "A malformed body, a field of the wrong type or value, or a limit exceeded.",
         401: "An API key (or, for admin routes, the admin key) is configured and not sent.",
-        404: "No such model.",
+        404: "No such model (or, for /remove_worker, no such worker).",
         408: "The request's deadline (--request-timeout, X-Request-Timeout) passed.",
         413: "The body is larger than --max-request-bytes.",
         500: "The model runner failed.",
@@ -359,6 +359,45 @@ _ABORT_REQUEST: Schema = {
 }
 
 
+_WORKER_REQUEST: Schema = {
+    "type": "object",
+    "required": ["url"],
+    "properties": {"url": _STR, "kind": {"type": "string", "enum": ["sglang", "openai"]}},
+}
+
+_WORKER: Schema = {
+    "type": "object",
+    "required": ["url", "kind", "breaker", "healthy", "in_flight"],
+    "properties": {
+        "url": _STR,
+        "kind": _STR,
+        "breaker": {"type": "string", "enum": ["closed", "open", "half_open"]},
+        "healthy": _BOOL,
+        "in_flight": _COUNT,
+        "requests_total": _COUNT,
+        "errors_total": _COUNT,
+        "retries_total": _COUNT,
+        "breaker_opened_total": _COUNT,
+    },
+}
+
+
+def _worker_op(summary: str, *errors: int) -> dict[str, Any]:
+    """`/add_worker` and `/remove_worker`: the worker as `?url=...&kind=...` or a body."""
+    return {
+        "summary": summary,
+        "parameters": [
+            {"name": "url", "in": "query", "required": False, "schema": _STR},
+            {"name": "kind", "in": "query", "required": False, "schema": _STR},
+        ],
+        "requestBody": {"required": False, "content": _json(_ref("WorkerRequest"))},
+        "responses": {
+            "200": _answer("The worker's state.", _WORKER),
+            **_errors("Error", 400, 401, *errors),
+        },
+    }
+
+
 #: The per-request deadline of the generation routes (docs/api.md).
 _TIMEOUT_HEADER: dict[str, Any] = {
     "name": "X-Request-Timeout",
@@ -459,6 +498,22 @@ def _paths() -> dict[str, Any]:
             }
         },
         "/flush_cache": {"get": flush, "post": flush},
+        "/list_workers": {
+            "get": {
+                "summary": "The workers a front serves from (empty on a server with a model)",
+                "responses": {
+                    "200": _answer(
+                        "{workers: [...]}",
+                        {
+                            "type": "object",
+                            "properties": {"workers": {"type": "array", "items": _WORKER}},
+                        },
+                    )
+                },
+            }
+        },
+        "/add_worker": {"post": _worker_op("Serve from one more worker (admin)")},
+        "/remove_worker": {"post": _worker_op("Stop sending requests to a worker (admin)", 404)},
         "/get_load": {
             "get": {
                 "summary": "SGLang's load report, one entry per data-parallel rank",
@@ -561,6 +616,7 @@ def openapi_document(*, version: str) -> dict[str, Any]:
                 "TokenizeRequest": _TOKENIZE_REQUEST,
                 "DetokenizeRequest": _DETOKENIZE_REQUEST,
                 "AbortRequest": _ABORT_REQUEST,
+                "WorkerRequest": _WORKER_REQUEST,
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },

@@ -25,7 +25,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from tributary.engine import Engine, EngineClosed, EngineError
+from tributary.engine import EngineClosed, EngineError, EngineService
 
 from .admin import ADMIN_PATHS, admin_blueprint, version
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
@@ -46,7 +46,7 @@ __all__ = ["create_app"]
 LOGGER = logging.getLogger("tributary.app")
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None) -> QuartTrio:
+def create_app(engine: EngineService, settings: ServerSettings | None = None) -> QuartTrio:
     """Build the app for `engine`. The caller keeps the engine open while the app serves."""
     settings = settings or ServerSettings()
     # No static folder: every route is an API route that /openapi.json describes.

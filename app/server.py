@@ -39,7 +39,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
-from tributary.engine import Engine
+from tributary.engine import EngineService
 from tributary.engine.service_nursery import open_service_nursery
 
 from .routes import create_app
@@ -80,7 +80,7 @@ def hypercorn_config(settings: ServerSettings) -> ServerConfig:
 
 @asynccontextmanager
 async def open_http_server(
-    engine_or_app: Engine | QuartTrio, settings: ServerSettings | None = None
+    engine_or_app: EngineService | QuartTrio, settings: ServerSettings | None = None
 ) -> AsyncIterator[list[str]]:
     """Serve until the block exits; yield the bound URLs (port 0 gives a free port).
 
@@ -131,7 +131,7 @@ def abort_delay(graceful_timeout: float, slowest_step: float) -> float:
     return max(0.0, graceful_timeout - margin)
 
 
-async def abort_leftovers(engine: Engine, graceful_timeout: float) -> None:
+async def abort_leftovers(engine: EngineService, graceful_timeout: float) -> None:
     """End what still generates before the graceful deadline with a 503 the client can read.
 
     Requests still queued get their 503 at once: admitted while draining, a queued prompt's
@@ -146,7 +146,7 @@ async def abort_leftovers(engine: Engine, graceful_timeout: float) -> None:
 
 
 async def serve(
-    engine_or_app: Engine | QuartTrio,
+    engine_or_app: EngineService | QuartTrio,
     settings: ServerSettings | None = None,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,

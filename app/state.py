@@ -7,7 +7,7 @@ import dataclasses
 
 from quart_trio import QuartTrio
 
-from tributary.engine import Engine
+from tributary.engine import EngineService
 
 from .metrics import Metrics
 from .settings import ServerSettings
@@ -20,7 +20,7 @@ _STATE_KEY = "tributary"
 @dataclasses.dataclass
 class ServerState:
     #: The engine the app serves.
-    engine: Engine
+    engine: EngineService
     #: The settings the app was created with; `open_http_server(app)` listens with them.
     settings: ServerSettings
     #: Set when a graceful shutdown begins; `/health` answers 503 from then on, so load

@@ -46,6 +46,8 @@ class RequestTiming:
         #: From the engine's `Done`.
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
+        #: What a remote worker measured for its part (None: served locally).
+        self.worker_e2e_latency: float | None = None
         #: What the item was and how it ended (for metrics and the access log).
         self.rid: str | None = None
         self.request: GenerateRequest | None = None
@@ -113,6 +115,7 @@ class RequestTiming:
             self.finish_reason = item.finish_reason
             self.admitted_at = item.admitted_at
             self.first_token_at = item.first_token_at
+            self.worker_e2e_latency = item.worker_e2e_latency
             if self.count_on_done and abort_status(item.finish_reason) is None:
                 self.count_answer()
 
@@ -181,8 +184,9 @@ class RequestTiming:
         return (self.completion_tokens - 1) / decode
 
     def detail(self) -> dict[str, Any]:
-        """The `--enable-request-timing` keys of a terminal `meta_info`, in order."""
-        return {
+        """The `--enable-request-timing` keys of a terminal `meta_info`, in order; behind a
+        fleet, `worker_e2e_latency` (the worker's own e2e_latency) follows them."""
+        detail: dict[str, Any] = {
             "time_to_first_token": self.time_to_first_token,
             "queue_time": self.queue_time,
             "prefill_time": self.prefill_time,
@@ -190,3 +194,6 @@ class RequestTiming:
             "mean_inter_token_latency": self.mean_inter_token_latency,
             "decode_throughput": self.decode_throughput,
         }
+        if self.worker_e2e_latency is not None:
+            detail["worker_e2e_latency"] = self.worker_e2e_latency
+        return detail

@@ -27,7 +27,7 @@ import jinja2
 from quart import Blueprint, Response
 from werkzeug.exceptions import HTTPException
 
-from tributary.engine import BadRequest, Engine, EngineError
+from tributary.engine import BadRequest, EngineError, EngineService
 
 from .errors import sglang_error_object
 from .normalize import bool_field, read_json_body
@@ -58,7 +58,7 @@ _UNSUPPORTED_WITH_MESSAGES = {
 }
 
 
-def tokenize_blueprint(engine: Engine) -> Blueprint:
+def tokenize_blueprint(engine: EngineService) -> Blueprint:
     bp = Blueprint("tributary_tokenize", __name__)
     template = _chat_template(engine)
 
@@ -141,7 +141,7 @@ def _error_response(error: EngineError, *, err_type: str | None = None) -> Respo
     return json_response(obj, status=status)
 
 
-def _chat_template(engine: Engine) -> ChatTemplate | None:
+def _chat_template(engine: EngineService) -> ChatTemplate | None:
     try:
         return ChatTemplate.for_engine(engine)
     except jinja2.TemplateError:
@@ -149,7 +149,7 @@ def _chat_template(engine: Engine) -> ChatTemplate | None:
 
 
 def _chat_prompt_ids(
-    engine: Engine, template: ChatTemplate | None, body: dict[str, Any]
+    engine: EngineService, template: ChatTemplate | None, body: dict[str, Any]
 ) -> list[int]:
     """The ids /v1/chat/completions would run for these messages: the template's text,
     tokenized with no special tokens added (the template writes them)."""
@@ -167,7 +167,7 @@ def _chat_prompt_ids(
     return engine.tokenize(text, add_special=False)
 
 
-def _decode(engine: Engine, ids: list[int], where: str, skip_special: bool) -> str:
+def _decode(engine: EngineService, ids: list[int], where: str, skip_special: bool) -> str:
     vocab = engine.model_info.vocab_size
     for j, token in enumerate(ids):
         if not 0 <= token < vocab:

@@ -24,9 +24,12 @@ from .errors import DuplicateRequestId as DuplicateRequestId
 from .errors import EngineClosed as EngineClosed
 from .errors import EngineError as EngineError
 from .errors import InvalidSamplingParams as InvalidSamplingParams
+from .errors import NotSupported as NotSupported
 from .errors import QueueFull as QueueFull
 from .errors import RequestTruncated as RequestTruncated
 from .errors import RunnerFailure as RunnerFailure
+from .errors import WorkerFailure as WorkerFailure
+from .interface import EngineService as EngineService
 from .request import HEALTH_CHECK_PREFIX as HEALTH_CHECK_PREFIX
 from .request import Done as Done
 from .request import EngineStats as EngineStats
@@ -40,6 +43,7 @@ from .request import ModelInfo as ModelInfo
 from .request import Output as Output
 from .request import TokenLogprob as TokenLogprob
 from .request import TopLogprobs as TopLogprobs
+from .request import WorkerStats as WorkerStats
 from .sampling import SamplingParams as SamplingParams
 from .stream import OutputSender as OutputSender
 from .stream import RequestStream as RequestStream

@@ -12,7 +12,6 @@ Synopsis::
 from __future__ import annotations
 
 import dataclasses
-import re
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -22,7 +21,13 @@ import trio
 from .config import EngineConfig
 from .custom_logit_processor import load_processor
 from .detokenize import IncrementalDetokenizer
-from .errors import BadRequest, ContextLengthExceeded, DuplicateRequestId, EngineClosed, QueueFull
+from .errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    DuplicateRequestId,
+    EngineClosed,
+    QueueFull,
+)
 from .grammar import GRAMMAR_KINDS, LlgMatcher
 from .logits import LogitHooks, LogprobCollector, ProcessorCall
 from .request import (
@@ -30,7 +35,9 @@ from .request import (
     GenerateRequest,
     LogprobRequest,
     ModelInfo,
+    WorkerStats,
     abort_reason,
+    abort_targets,
     counts_as_request,
 )
 from .runners.base import Runner
@@ -135,6 +142,8 @@ class Engine:
 
     Every method is synchronous and never blocks: submit validates and enqueues, abort marks.
     """
+
+    serves_remotely = False
 
     def __init__(self, runner: Runner, config: EngineConfig) -> None:
         self.config = config
@@ -300,11 +309,7 @@ class Engine:
         `{"type": "abort", "message", "status_code", "err_type"}`. Without a status code that
         is a normal ending (SGLang answers 200); with one, HTTP reports that status.
         """
-        seqs = [self._live[rid]] if rid in self._live else []
-        if fanout:
-            family = re.compile(re.escape(rid) + r"_\d+")
-            seqs += [s for r, s in self._live.items() if family.fullmatch(r)]
-        return self._abort(seqs, message, status_code)
+        return self._abort(abort_targets(self._live, rid, fanout=fanout), message, status_code)
 
     def count_refused(self, requests: int) -> None:
         """Count `requests` more as refused by a full queue (`EngineStats.aborted_requests`):
@@ -328,6 +333,18 @@ class Engine:
                 seq, abort_reason(message, status_code=status_code, err_type=err_type)
             )
         return len(seqs)
+
+    def worker_stats(self) -> list[WorkerStats]:
+        return []  # the model is in this process
+
+    def add_worker(self, url: str, kind: str = "sglang") -> WorkerStats:
+        # A 400, not a 501: the request is wrong for this server, which could never take it.
+        raise BadRequest(
+            "This server runs its own model; it has no workers (start it with --worker-url)."
+        )
+
+    def remove_worker(self, url: str) -> WorkerStats:
+        return self.add_worker(url)
 
     def _check_open(self) -> None:
         # After open_engine's block the model is freed: touching it would crash the process.

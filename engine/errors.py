@@ -10,7 +10,9 @@ The hierarchy::
     ├── QueueFull                    503  the waiting queue is at --max-queued-requests
     ├── EngineClosed                 503  the engine is shutting down or not started
     ├── RunnerFailure                500  the model runner raised during a step
-    └── RequestTruncated             500  the output channel closed before a terminal item
+    ├── RequestTruncated             500  the output channel closed before a terminal item
+    ├── NotSupported                 501  this engine cannot do it (a remote fleet: tokenize...)
+    └── WorkerFailure                any  a remote worker's answer, its status kept (4xx, 5xx)
 
 `app` maps errors to HTTP with `error.http_status` and `error.message` alone, so a status is
 decided here and nowhere else. Messages follow SGLang's wording where SGLang has one, because
@@ -26,9 +28,11 @@ __all__ = [
     "EngineClosed",
     "EngineError",
     "InvalidSamplingParams",
+    "NotSupported",
     "QueueFull",
     "RequestTruncated",
     "RunnerFailure",
+    "WorkerFailure",
 ]
 
 
@@ -85,3 +89,22 @@ class RequestTruncated(EngineError):
 
     def __init__(self, message: str = "response truncated before completion") -> None:
         super().__init__(message)
+
+
+class NotSupported(EngineError):
+    """The engine serving this request cannot do what it asks (a remote fleet has no tokenizer
+    at the front, for one); the message names what and why."""
+
+    http_status = 501
+    err_type = "not_implemented"
+
+
+class WorkerFailure(EngineError):
+    """A remote worker refused or failed a request: its status is kept (a 400 for the
+    client's bad input, a 503 when no worker could take it, a 502 for a broken upstream)."""
+
+    err_type = "worker_error"
+
+    def __init__(self, message: str, *, status: int = 502) -> None:
+        super().__init__(message)
+        self.http_status = status

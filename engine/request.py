@@ -8,7 +8,9 @@ previous item) and *cumulative* counts, so a consumer can build either SGLang st
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeAlias
+import re
+from collections.abc import Mapping
+from typing import Any, TypeAlias, TypeVar
 
 from .errors import EngineError
 from .sampling import SamplingParams
@@ -26,10 +28,13 @@ __all__ = [
     "Output",
     "TokenLogprob",
     "TopLogprobs",
+    "WorkerStats",
     "abort_reason",
     "length_reason",
     "stop_reason",
 ]
+
+T = TypeVar("T")
 
 #: SGLang's finish_reason objects, kept as plain dicts in SGLang's key order.
 FinishReason: TypeAlias = dict[str, Any]
@@ -51,6 +56,17 @@ HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"
 def counts_as_request(rid: str) -> bool:
     """Whether a request with this rid is counted in the engine's request counters."""
     return not rid.startswith(HEALTH_CHECK_PREFIX)
+
+
+def abort_targets(live: Mapping[str, T], rid: str, *, fanout: bool) -> list[T]:
+    """What `abort(rid, fanout=...)` reaches among the in-flight requests `live` (by rid):
+    `rid` itself and, with `fanout`, the items a batch fanned out from it (`rid_0`,
+    `rid_1`, ...), never other rids that merely share a prefix."""
+    found = [live[rid]] if rid in live else []
+    if fanout:
+        family = re.compile(re.escape(rid) + r"_\d+")
+        found += [value for key, value in live.items() if family.fullmatch(key)]
+    return found
 
 
 def abort_reason(
@@ -147,6 +163,8 @@ class Done:
     admitted_at: float | None = None
     #: Trio clock when its first output token was sampled (None: no token was).
     first_token_at: float | None = None
+    #: The e2e_latency a remote worker reported for its part (None: served locally).
+    worker_e2e_latency: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,3 +209,18 @@ class EngineStats:
     prefix_cache_bytes: int = 0  # host memory the prefix cache holds now
     prefix_cache_entries: int = 0
     prefix_cache_hits: int = 0  # admissions that restored a cached prefix, so far
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerStats:
+    """One remote worker as the front sees it, for /workers and /metrics."""
+
+    url: str
+    kind: str  # "sglang" or "openai"
+    breaker: str  # "closed", "open" or "half_open"
+    healthy: bool
+    in_flight: int
+    requests_total: int
+    errors_total: int
+    retries_total: int
+    breaker_opened_total: int

@@ -30,7 +30,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tributary.engine import Engine
+from tributary.engine import EngineService
 
 from .errors import InvalidRequest
 
@@ -88,7 +88,7 @@ class ChatTemplate:
         self._template = env.from_string(source)
 
     @classmethod
-    def for_engine(cls, engine: Engine) -> ChatTemplate | None:
+    def for_engine(cls, engine: EngineService) -> ChatTemplate | None:
         """The engine's model template, with its BOS and EOS token texts; None if it has none."""
         info = engine.model_info
         if not info.chat_template:
@@ -121,7 +121,7 @@ class ChatTemplate:
             ) from None
 
 
-def _token_text(engine: Engine, token_id: int | None) -> str:
+def _token_text(engine: EngineService, token_id: int | None) -> str:
     if token_id is None:
         return ""
     return engine.detokenize([token_id], skip_special_tokens=False)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tributary.engine import Engine, Logprobs, TokenLogprob, TopLogprobs
+from tributary.engine import EngineService, Logprobs, TokenLogprob, TopLogprobs
 
 __all__ = [
     "LOGPROB_FLOOR",
@@ -50,7 +50,7 @@ class TokenSpeller:
     """Token ids as logprob entries spell them, cached per id (a vocabulary is at most a few
     hundred thousand entries, and top-20 lists ask for the same few ids over and over)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineService) -> None:
         self._engine = engine
         self._bytes: dict[int, bytes] = {}
         self._hidden: dict[int, bool] = {}

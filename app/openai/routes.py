@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from quart import Blueprint, Response, request
 from werkzeug.exceptions import HTTPException
 
-from tributary.engine import Engine, EngineError
+from tributary.engine import EngineError, EngineService
 
 from ..asgi import owned_by_request
 from ..exchange import exchange_of
@@ -34,7 +34,7 @@ __all__ = ["openai_blueprint"]
 LOGGER = logging.getLogger("tributary.openai")
 
 
-def openai_blueprint(engine: Engine, settings: ServerSettings | None = None) -> Blueprint:
+def openai_blueprint(engine: EngineService, settings: ServerSettings | None = None) -> Blueprint:
     """The OpenAI-compatible API for `engine`; register it on the app serving that engine."""
     http = settings or ServerSettings()
     served = ServedModel.for_engine(engine, timing_detail=http.enable_request_timing)

@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 
-from tributary.engine import Engine, GenerateRequest
+from tributary.engine import EngineService, GenerateRequest, NotSupported
 
 from ..normalize import check_fan_out, seeded_sample
 from .chat_template import ChatTemplate
@@ -35,7 +35,7 @@ LOGGER = logging.getLogger("tributary.openai")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServedModel:
-    engine: Engine
+    engine: EngineService
     name: str
     #: Unix time the API started serving it (OpenAI's model card `created`).
     created: int
@@ -46,7 +46,7 @@ class ServedModel:
     timing_detail: bool = False
 
     @classmethod
-    def for_engine(cls, engine: Engine, *, timing_detail: bool = False) -> ServedModel:
+    def for_engine(cls, engine: EngineService, *, timing_detail: bool = False) -> ServedModel:
         """Look the model up once. A template that does not compile is logged and treated as
         absent, so chat answers a clear 400 instead of failing on every request."""
         info = engine.model_info
@@ -98,6 +98,12 @@ class ServedModel:
 
     def chat_template(self) -> ChatTemplate:
         if self.template is None:
+            if self.engine.serves_remotely:
+                raise NotSupported(
+                    "Chat completions need the model's chat template and tokenizer, which stay "
+                    "on the workers behind this server: send /v1/chat/completions to a "
+                    "worker, or render the prompt and use /v1/completions or /generate here."
+                )
             raise NoChatTemplate()
         return self.template
 

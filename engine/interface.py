@@ -1,0 +1,99 @@
+"""`EngineService`: what the HTTP app needs from whatever serves the tokens.
+
+Two implementations: the local `Engine` (a model in this process) and `RemoteEngine`
+(`engine/remote/`, a fleet of SGLang, vLLM or Tributary workers). `app` is written against
+this protocol only, so `/generate`, `/v1`, timing, SSE, metrics and disconnect handling are
+the same code whichever one is behind them.
+
+Synopsis::
+
+    def create_app(engine: EngineService, settings: ServerSettings) -> QuartTrio: ...
+
+Contract shared by both (docs/architecture.md):
+
+- `submit` is synchronous: it validates what it can and returns a `RequestStream` at once, or
+  raises an `EngineError` (nothing is started then). The stream yields `Frame`s, then one
+  `Done` or `Error`; leaving it early aborts the request, synchronously.
+- `abort*` only mark: the request's stream ends with a `Done` whose finish_reason is an abort.
+- What an implementation cannot do raises `NotSupported` (501) naming why (a remote fleet has
+  no tokenizer at the front; a local engine has no workers), never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .core import EngineLoad
+from .request import EngineStats, GenerateRequest, ModelInfo, WorkerStats
+from .stream import RequestStream
+
+__all__ = ["EngineService", "ServiceConfig"]
+
+
+class ServiceConfig(Protocol):
+    """The part of an engine's configuration the app reads (the whole dataclass is echoed by
+    `/get_server_info`)."""
+
+    @property
+    def served_model_name(self) -> str | None: ...
+
+
+class EngineService(Protocol):
+    #: True when the tokens come from remote workers (no tokenizer or template here).
+    serves_remotely: bool
+
+    @property
+    def config(self) -> ServiceConfig: ...
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def capacity(self) -> int:
+        """The most requests taken at once; a larger batch can never be accepted whole."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def slowest_recent_step(self) -> float:
+        """How long an abort may wait for the step boundary that acts on it (0: unknown)."""
+        ...
+
+    def submit(self, request: GenerateRequest) -> RequestStream: ...
+
+    def abort(
+        self,
+        rid: str,
+        *,
+        fanout: bool = False,
+        message: str = "Aborted",
+        status_code: int | None = None,
+    ) -> int: ...
+
+    def abort_all(self, *, message: str = "Aborted", status_code: int | None = None) -> int: ...
+
+    def abort_waiting(self, *, message: str = "Aborted", status_code: int | None = None) -> int: ...
+
+    def count_refused(self, requests: int) -> None: ...
+
+    def flush_cache(self) -> bool: ...
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]: ...
+
+    def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """The remote workers behind this engine ([] for a local model)."""
+        ...
+
+    def add_worker(self, url: str, kind: str = "sglang") -> WorkerStats:
+        """Serve from one more worker (ValueError: a bad or known URL)."""
+        ...
+
+    def remove_worker(self, url: str) -> WorkerStats:
+        """Stop choosing `url` (KeyError: not a worker); its in-flight requests carry on."""
+        ...

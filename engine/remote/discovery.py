@@ -1,0 +1,108 @@
+"""What a front knows of the model it serves: it has none of its own, so it asks a worker.
+
+Synopsis::
+
+    info = await discover_model(client, fleet.workers, timeout=2.0, base=unknown_model("m"))
+    name = await openai_model_name(client, worker.url)     # what /v1/completions must name
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+import trio
+
+from ..request import ModelInfo
+from .fleet import Worker
+
+__all__ = [
+    "UNKNOWN_CONTEXT",
+    "UNKNOWN_VOCAB",
+    "discover_model",
+    "openai_model_name",
+    "unknown_model",
+]
+
+LOGGER = logging.getLogger("tributary.engine.remote")
+
+#: What the front reports for a model no worker has described (none answered at start):
+#: token ids and lengths are then checked by the workers alone.
+UNKNOWN_CONTEXT = 1 << 30
+UNKNOWN_VOCAB = 1 << 31
+
+
+def unknown_model(name: str) -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        path="",
+        context_length=UNKNOWN_CONTEXT,
+        train_context_length=UNKNOWN_CONTEXT,
+        vocab_size=UNKNOWN_VOCAB,
+        eos_token_ids=frozenset(),
+        eos_token_id=None,
+        bos_token_id=None,
+        chat_template=None,
+    )
+
+
+async def discover_model(
+    client: httpx.AsyncClient, workers: Iterable[Worker], *, timeout: float, base: ModelInfo
+) -> ModelInfo:
+    """`base` with what the first worker to answer (within `timeout` each) says of its model
+    (`/get_model_info` of an SGLang-kind worker, `/v1/models` of an OpenAI one); `base` as
+    it is if none answers. Never raises for a worker's failure."""
+    for worker in workers:
+        try:
+            with trio.fail_after(timeout):
+                info = await _ask(client, worker)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, trio.TooSlowError) as exc:
+            LOGGER.warning("no model info from %s: %s", worker.url, exc)
+            continue
+        return dataclasses.replace(base, **{k: v for k, v in info.items() if v is not None})
+    return base
+
+
+async def openai_model_name(client: httpx.AsyncClient, url: str) -> str:
+    """The model an OpenAI server serves: the first its `/v1/models` lists."""
+    response = await client.get(f"{url}/v1/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+async def _ask(client: httpx.AsyncClient, worker: Worker) -> dict[str, Any]:
+    if worker.kind == "openai":
+        response = await client.get(f"{worker.url}/v1/models")
+        response.raise_for_status()
+        entry = response.json()["data"][0]
+        length = entry.get("max_model_len")  # vLLM's
+        return {
+            "name": str(entry["id"]),
+            "path": str(entry.get("root") or entry["id"]),
+            "context_length": _int(length),
+            "train_context_length": _int(length),
+        }
+    response = await client.get(f"{worker.url}/get_model_info")
+    response.raise_for_status()
+    obj = response.json()
+    length = obj.get("context_length")  # Tributary's
+    if not isinstance(length, int):
+        # SGLang's /get_model_info has no context length; its /get_server_info has the
+        # longest prompt it takes (max_req_input_len, one less than the context).
+        server = await client.get(f"{worker.url}/get_server_info")
+        longest = server.json().get("max_req_input_len") if server.is_success else None
+        length = longest + 1 if isinstance(longest, int) else None
+    return {
+        "name": obj.get("served_model_name") or obj.get("model_path"),
+        "path": obj.get("model_path"),
+        "context_length": _int(length),
+        "train_context_length": _int(length),
+        "vocab_size": _int(obj.get("vocab_size")),
+    }
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) else None

@@ -1,0 +1,43 @@
+"""`tributary serve --worker-url/--workers-file`: which workers, of which kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tributary.app.cli import build_parser, remote_config
+
+
+def fleet_of(*argv: str):  # type: ignore[no-untyped-def]
+    return remote_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_no_worker_flag_serves_a_model() -> None:
+    assert fleet_of() is None
+
+
+def test_workers_from_flags_and_a_file(tmp_path: Path) -> None:
+    listing = tmp_path / "workers"
+    listing.write_text("# the fleet\nhttp://c:3 #third\nopenai http://d:4/\n\nhttp://e:5#openai\n")
+    config = fleet_of(
+        "--worker-url", "http://a:1", "--worker-url", "http://b:2#openai",
+        "--workers-file", str(listing), "--policy", "round_robin", "--max-retries", "1",
+    )  # fmt: skip
+    assert config is not None
+    assert config.workers == (
+        ("http://a:1", "sglang"),
+        ("http://b:2", "openai"),
+        ("http://c:3", "sglang"),
+        ("http://d:4", "openai"),
+        ("http://e:5", "openai"),
+    )
+    assert (config.policy, config.max_retries) == ("round_robin", 1)
+    default_kind = fleet_of("--worker-kind", "openai", "--worker-url", "http://a:1")
+    assert default_kind is not None and default_kind.workers == (("http://a:1", "openai"),)
+
+
+@pytest.mark.parametrize("url", ["a:1", "http://a:1#grpc", "sglang http://a:1 extra"])
+def test_a_worker_that_makes_no_sense_is_refused(url: str) -> None:
+    with pytest.raises(ValueError):
+        fleet_of("--worker-url", url)
