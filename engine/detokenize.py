@@ -109,8 +109,9 @@ class IncrementalDetokenizer:
                 pos = self.text.find(stop, max(self._emitted, old_len - len(stop) + 1))
                 if pos >= 0 and (best is None or pos < best[0]):
                     best = (pos, pos + len(stop), stop)
-        budget = _RegexBudget()
+        budget = _RegexBudget() if self._regexes else None
         for i, pattern in enumerate(self._regexes):
+            assert budget is not None
             while True:
                 try:
                     match, self._regex_from[i] = _scan(
