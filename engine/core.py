@@ -12,9 +12,11 @@ Synopsis::
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -26,6 +28,7 @@ from .errors import (
     ContextLengthExceeded,
     DuplicateRequestId,
     EngineClosed,
+    NotSupported,
     QueueFull,
 )
 from .grammar import GRAMMAR_KINDS, LlgMatcher
@@ -43,6 +46,9 @@ from .request import (
 from .runners.base import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Sequence
+
+if TYPE_CHECKING:
+    from .remote.passthrough import Answer
 from .service_nursery import open_service_nursery
 from .stream import RequestStream, open_output_channel
 
@@ -316,6 +322,12 @@ class Engine:
         the rest of a batch whose submission stopped at a `QueueFull`, which never reached
         `submit` but were refused with it."""
         self._scheduler.aborted_requests += requests
+
+    def open_passthrough(
+        self, path: str, body: dict[str, Any], *, key: str | None, deadline: float = math.inf
+    ) -> AbstractAsyncContextManager[Answer]:
+        """Only a front has workers to hand a request to."""
+        raise NotSupported("This server has its own model; it has no workers to forward to.")
 
     def abort_all(self, *, message: str = "Aborted", status_code: int | None = None) -> int:
         """Abort every request in flight; see `abort`."""

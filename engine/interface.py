@@ -21,11 +21,16 @@ Contract shared by both (docs/architecture.md):
 
 from __future__ import annotations
 
-from typing import Protocol
+import math
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .core import EngineLoad
 from .request import EngineStats, GenerateRequest, ModelInfo, WorkerStats
 from .stream import RequestStream
+
+if TYPE_CHECKING:
+    from .remote.passthrough import Answer
 
 __all__ = ["EngineService", "ServiceConfig"]
 
@@ -77,6 +82,13 @@ class EngineService(Protocol):
     def abort_waiting(self, *, message: str = "Aborted", status_code: int | None = None) -> int: ...
 
     def count_refused(self, requests: int) -> None: ...
+
+    def open_passthrough(
+        self, path: str, body: dict[str, Any], *, key: str | None, deadline: float = math.inf
+    ) -> AbstractAsyncContextManager[Answer]:
+        """Hand a request to one worker whole and relay its answer (a remote fleet's chat
+        completions: the template and tokenizer are the workers'); `NotSupported` here."""
+        ...
 
     def flush_cache(self) -> bool: ...
 

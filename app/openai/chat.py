@@ -23,6 +23,7 @@ content), the others `"logprobs": null`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..timing import RequestTiming
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import TokenSpeller, chat_logprob_content
 from .protocol import ChatRequest, parse_chat
+from .relay import relay_to_worker
 from .served import ServedModel
 from .streaming import chunk_stream_response
 from .timings import llama_timings
@@ -62,6 +64,10 @@ async def create_chat_completion(
     """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
     past `deadline`, a 408 (the status, or a stream's error event)."""
     engine = served.engine
+    if engine.serves_remotely:  # the template and tokenizer are the workers'
+        return await relay_to_worker(
+            served, "/v1/chat/completions", body, deadline=deadline or Deadline(None, math.inf)
+        )
     req = parse_chat(body, vocab_size=engine.model_info.vocab_size)
     served.check_model(req.model)
     served.check_max_tokens(req)

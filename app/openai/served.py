@@ -20,7 +20,7 @@ from typing import Any
 
 import jinja2
 
-from tributary.engine import EngineService, GenerateRequest, NotSupported
+from tributary.engine import EngineService, GenerateRequest
 
 from ..normalize import check_fan_out, seeded_sample
 from .chat_template import ChatTemplate
@@ -98,12 +98,6 @@ class ServedModel:
 
     def chat_template(self) -> ChatTemplate:
         if self.template is None:
-            if self.engine.serves_remotely:
-                raise NotSupported(
-                    "Chat completions need the model's chat template and tokenizer, which stay "
-                    "on the workers behind this server: send /v1/chat/completions to a "
-                    "worker, or render the prompt and use /v1/completions or /generate here."
-                )
             raise NoChatTemplate()
         return self.template
 

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -72,6 +73,7 @@ from . import openai, sglang
 from .discovery import discover_model, openai_model_name, unknown_model
 from .fleet import Breaker, Fleet, Worker, WorkerKind
 from .health import run_health_checks
+from .passthrough import Answer, open_passthrough
 from .wire import SSEPayloads, counts_against_worker, error_message, is_retryable_status
 
 __all__ = ["RemoteConfig", "RemoteEngine", "open_remote_engine"]
@@ -537,6 +539,23 @@ class RemoteEngine:
             return error
         self._deliver(item, Error(item.rid, error))
         return None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client every request to a worker goes through (one keep-alive pool)."""
+        return self._client
+
+    def open_passthrough(
+        self, path: str, body: dict[str, Any], *, key: str | None, deadline: float = math.inf
+    ) -> AbstractAsyncContextManager[Answer]:
+        """Hand a request to one worker whole (`passthrough.open_passthrough`)."""
+        if self._closed:
+            raise EngineClosed("The engine is shutting down.")
+        return open_passthrough(self, path, body, key=key, deadline=deadline)
+
+    async def model_of(self, worker: Worker) -> str:
+        """The model name a worker's OpenAI API serves (its `/v1/models`), asked once."""
+        return await self._model_of(worker)
 
     async def _model_of(self, worker: Worker) -> str:
         """The model name an OpenAI worker serves, asked once."""

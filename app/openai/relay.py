@@ -1,0 +1,118 @@
+"""`relay_to_worker`: a front's `/v1/chat/completions`, answered by one of its workers.
+
+The prompt of a chat request is the messages rendered with the model's chat template and
+tokenized by its tokenizer; a front has neither (they stay on the workers, as tokenization
+does), so it hands the request to a worker whole (`EngineService.open_passthrough`) and
+relays the answer: the worker's status, content type and body, unary or streamed, byte for
+byte. The front checks what it can before choosing a worker (the body is a JSON object, the
+model is the one it serves) and keeps its own guarantees: a worker that fails before
+answering is retried elsewhere; a client that leaves closes the upstream response (the
+worker aborts the request); `--request-timeout` / `X-Request-Timeout` end the request with
+a 408 (a stream with an error event and `[DONE]`); a worker that breaks the connection
+mid-stream ends the stream with a 502 error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+from quart import Response
+
+from tributary.engine import EngineError
+
+from ..limits import Deadline, RequestTimedOut
+from ..sse import DONE, sse_event
+from .errors import InvalidRequest, openai_error_object
+from .served import ServedModel
+
+__all__ = ["relay_to_worker", "routing_key"]
+
+
+async def relay_to_worker(
+    served: ServedModel, path: str, body: Any, *, deadline: Deadline
+) -> Response:
+    """Raises `EngineError` (OpenAI-shaped by the blueprint) before the first byte."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    served.check_model(body.get("model"))
+    stack = AsyncExitStack()
+    passthrough = served.engine.open_passthrough(
+        path, body, key=routing_key(body), deadline=deadline.at
+    )
+    try:
+        with trio.fail_at(deadline.at):
+            answer = await stack.enter_async_context(passthrough)
+            if body.get("stream") is not True or answer.status != 200:
+                data = b"".join([chunk async for chunk in answer.chunks])
+                await _close(stack)
+                return Response(data, status=answer.status, content_type=answer.content_type)
+    except trio.TooSlowError:
+        await _close(stack)
+        raise RequestTimedOut(deadline.message) from None
+    except BaseException:
+        await _close(stack)
+        raise
+    relayed = _Relayed(answer.chunks, stack, deadline)
+    return Response(relayed, status=200, content_type=answer.content_type)
+
+
+class _Relayed:
+    """The worker's stream as it arrives. Closing it (Quart does, when the response ends or
+    its client leaves) closes the worker's response. A deadline or a worker that breaks the
+    stream ends it with an OpenAI error event and [DONE]. An iterator, not an async
+    generator: each wait sits in its own cancel scope, never one held across a yield."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], stack: AsyncExitStack, deadline: Deadline):
+        self._chunks = chunks
+        self._stack = stack
+        self._deadline = deadline
+        self._ended = False
+
+    def __aiter__(self) -> _Relayed:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._ended:
+            raise StopAsyncIteration
+        try:
+            with trio.fail_at(self._deadline.at):
+                return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            self._ended = True
+            raise
+        except trio.TooSlowError:
+            return self._last(RequestTimedOut(self._deadline.message))
+        except EngineError as exc:  # the worker broke the connection mid-stream
+            return self._last(exc)
+
+    def _last(self, error: EngineError) -> bytes:
+        self._ended = True
+        return sse_event(openai_error_object(error)) + DONE
+
+    async def aclose(self) -> None:
+        self._ended = True
+        await _close(self._stack)
+
+
+async def _close(stack: AsyncExitStack) -> None:
+    # Shielded: it runs as the client leaves (its handler cancelled), and the worker learns
+    # that its client left only when the upstream response is closed.
+    with trio.CancelScope(shield=True):
+        await stack.aclose()
+
+
+def routing_key(body: dict[str, Any]) -> str | None:
+    """What `cache_aware` routes a chat request by: its messages' text, in order (requests
+    sharing a conversation's beginning share a prefix)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    parts = []
+    for message in messages:
+        if isinstance(message, dict):
+            content = message.get("content")
+            parts.append(f"{message.get('role')}:{content if isinstance(content, str) else ''}")
+    return "\n".join(parts) or None
