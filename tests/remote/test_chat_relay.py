@@ -33,7 +33,7 @@ async def open_chat_fleet(
     config = (
         EngineConfig(runner="sim", sim_latency=SLOW)
         if sim
-        else EngineConfig(context_length=1024, max_running_requests=2)
+        else EngineConfig(context_length=4096, max_running_requests=2)
     )
     async with trio.open_nursery() as nursery, open_engine(config) as engine:
         worker = await start_worker(nursery, engine)
@@ -152,13 +152,13 @@ async def test_a_relayed_stream_ends_when_its_client_leaves_or_its_deadline_pass
         # A deadline shorter than the generation: output so far, a 408 event, [DONE].
         timed = await client.post(
             f"{front}/v1/chat/completions",
-            json=body,
-            headers={"X-Request-Timeout": "0.5"},
+            json={**body, "max_tokens": 3000},  # 20 s or more: the deadline comes first
+            headers={"X-Request-Timeout": "6"},  # (a first token within 6 s even when busy)
         )
         events = testing.parse_sse(timed.text)
         assert timed.status_code == 200 and events[-1] == "[DONE]"
         error = events[-2]["error"]
-        assert error["type"] == "timeout_error" and "timed out after 0.5 s" in error["message"]
+        assert error["type"] == "timeout_error" and "timed out after 6 s" in error["message"]
         assert contents(events)
         with trio.fail_after(5):
             while worker.engine.stats().running:
