@@ -463,15 +463,18 @@ class RemoteEngine:
                     message = error_message(await response.aread(), status)
                     return self._failed(item, worker, status, message, started=False)
                 payloads = SSEPayloads()
-                async for chunk in response.aiter_bytes():
+                chunks = response.aiter_bytes()
+                async for chunk in chunks:
                     for payload in payloads.feed(chunk):
                         if payload == b"[DONE]":
                             break
                         outcome = self._take(item, worker, reader, orjson.loads(payload))
                         if not isinstance(outcome, _More):
+                            await _read_to_end(chunks)
                             return outcome
                     else:
                         continue
+                    await _read_to_end(chunks)
                     break  # [DONE]
             if isinstance(reader, openai.CompletionStreamReader):
                 done = reader.done()
@@ -556,6 +559,24 @@ _NO_TOKENIZER = (
     "This server fronts a fleet of workers and has no tokenizer of its own (tokenization "
     "stays on the workers); call /tokenize or /detokenize on a worker."
 )
+
+
+#: How long the rest of a worker's body (`[DONE]`, the chunked body's end) may take to come
+#: once the item has its terminal frame.
+_TRAILER_SECONDS = 1.0
+
+
+async def _read_to_end(chunks: AsyncIterator[bytes]) -> None:
+    """Read what follows the terminal frame so the connection goes back to the keep-alive
+    pool: httpx closes a connection whose response was left unread, and every request would
+    then open a new one. A worker that holds the stream open, or breaks it now, costs the
+    item nothing: its answer is already delivered."""
+    with trio.move_on_after(_TRAILER_SECONDS):
+        try:
+            async for _ in chunks:
+                pass
+        except httpx.HTTPError:
+            pass
 
 
 def _worker_leaving(done: Done) -> bool:
