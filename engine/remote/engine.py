@@ -164,6 +164,8 @@ class _Item:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    #: Trio clock when the item's first token reached the front (its `Done` carries it).
+    first_token_at: float | None = None
 
 
 class RemoteEngine:
@@ -333,6 +335,7 @@ class RemoteEngine:
                 item.completion_tokens,
                 item.cached_tokens,
                 finish_reason=reason,
+                first_token_at=item.first_token_at,
             ),
         )
         self._aborted += 1
@@ -363,6 +366,11 @@ class RemoteEngine:
             return
         if isinstance(out, Frame | Done):
             item.started = True
+            if item.first_token_at is None and out.completion_tokens > 0:
+                item.first_token_at = trio.current_time()
+            if isinstance(out, Done):
+                # The front's view, as for e2e_latency (time_to_first_token, /metrics).
+                out = dataclasses.replace(out, first_token_at=item.first_token_at)
             self._generated_tokens += max(0, out.completion_tokens - item.completion_tokens)
             item.prompt_tokens = out.prompt_tokens
             item.completion_tokens = out.completion_tokens
@@ -437,6 +445,8 @@ class RemoteEngine:
         with trio.CancelScope() as scope:
             item.attempt = scope
             return await self._try(item, worker, key)
+        if item.ended:
+            return None  # cut while reading what followed its terminal item: nothing to retry
         assert self._nursery is not None
         self._nursery.start_soon(self._post_abort, worker, item.rid)
         return WorkerFailure(f"Worker {worker.url} was removed.", status=503)
