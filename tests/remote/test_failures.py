@@ -219,6 +219,25 @@ async def test_the_openai_kind_against_a_tributary_v1(field: str) -> None:
         assert field in refused.json()["error"]["message"]
 
 
+async def test_the_openai_kind_keeps_the_stop_that_matched() -> None:
+    """A Tributary or SGLang /v1 worker says what matched as `matched_stop` (vLLM as
+    `stop_reason`): the front's finish_reason is the worker's own /generate one."""
+    async with (
+        open_fleet(1, kind="openai") as fleet,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        worker = fleet.workers[0].url
+        body = {"text": "openai upstream", "sampling_params": greedy(10)}
+        whole = (await generate(client, worker, body)).json()["text"]
+        body["sampling_params"] = greedy(10, stop=[whole[4:6]])
+        direct = (await generate(client, worker, body)).json()
+        assert direct["meta_info"]["finish_reason"] == {"type": "stop", "matched": whole[4:6]}
+        for stream in (False, True):
+            answer = await generate(client, fleet.url, {**body, "stream": stream})
+            last = answer.json() if not stream else sse(answer.text)[-2]
+            assert last["meta_info"]["finish_reason"] == direct["meta_info"]["finish_reason"]
+
+
 async def test_a_client_that_leaves_frees_the_sequence_on_an_openai_kind_worker() -> None:
     async with (
         open_fleet(1, latency=SLOW, kind="openai") as fleet,
