@@ -123,14 +123,11 @@ async def open_remote_engine(config: RemoteConfig) -> AsyncIterator[RemoteEngine
         fleet = Fleet(config.workers, policy=config.policy, breaker_factory=breakers)
         engine = RemoteEngine(config, fleet, client)
         base = unknown_model(config.served_model_name or "remote")
-        info = await discover_model(
-            client, fleet.workers, timeout=config.health_check_timeout, base=base
-        )
-        if config.served_model_name:
-            info = dataclasses.replace(info, name=config.served_model_name)
-        engine._info = info
+        discovered = await engine._discover(base, log_level=logging.WARNING)
         async with open_service_nursery() as nursery:
             engine._nursery = nursery
+            if not discovered:
+                nursery.start_soon(engine._discover_later, base)
             if config.health_check_interval > 0:
                 await nursery.start(
                     partial(
@@ -227,6 +224,30 @@ class RemoteEngine:
             if item.worker is removed and not item.started and item.attempt is not None:
                 item.attempt.cancel()  # retried elsewhere; what has output finishes there
         return _worker_stats(removed)
+
+    async def _discover(self, base: ModelInfo, *, log_level: int) -> bool:
+        """Ask the workers about the model; whether one answered (else the model stays
+        `base`: a name of the front's and no limits of its own)."""
+        info = await discover_model(
+            self._client,
+            self.fleet.workers,
+            timeout=self.config.health_check_timeout,
+            base=base,
+            log_level=log_level,
+        )
+        if self.config.served_model_name:
+            info = dataclasses.replace(info, name=self.config.served_model_name)
+        self._info = info
+        return info is not base
+
+    async def _discover_later(self, base: ModelInfo) -> None:
+        """No worker answered at start (workers still loading their model, or none added
+        yet): ask again until one does, so the model's name (what /v1 requests must name),
+        context length and vocabulary become the workers' once they are up."""
+        pause = self.config.health_check_interval or _REDISCOVER_SECONDS
+        while not await self._discover(base, log_level=logging.DEBUG):
+            await trio.sleep(pause)
+        LOGGER.info("serving %s, as a worker describes it", self._info.name)
 
     # -- what stays on the workers ---------------------------------------------------------
 
@@ -570,6 +591,10 @@ _NO_TOKENIZER = (
     "stays on the workers); call /tokenize or /detokenize on a worker."
 )
 
+
+#: Seconds between asks about the model while no worker has answered (with health checks
+#: off; else their interval).
+_REDISCOVER_SECONDS = 1.0
 
 #: How long the rest of a worker's body (`[DONE]`, the chunked body's end) may take to come
 #: once the item has its terminal frame.

@@ -12,9 +12,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from remotehelpers import SLOW, generate, greedy, open_fleet, restart, sse
+from remotehelpers import FAST, SLOW, generate, greedy, open_fleet, restart, sse, start_worker
 
 from tributary import app, testing
+from tributary.engine import EngineConfig, open_engine
 from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engine
 
 
@@ -251,3 +252,33 @@ async def test_a_client_that_leaves_frees_the_sequence_on_an_openai_kind_worker(
             while (await client.get(f"{worker.url}/get_load")).json()[0]["num_reqs"]:
                 await trio.sleep(0.005)
         await testing.wait_engine_idle(worker.engine, timeout=1)
+
+
+async def test_a_front_started_before_its_workers_learns_the_model_once_one_is_up() -> None:
+    """Workers load their model for minutes, so a front usually starts first: the model it
+    serves (the name /v1 requests must give, /v1/models) becomes the worker's once one is up,
+    not the stand-in it started with."""
+    (url,) = _dead_urls(1)
+    config = EngineConfig(runner="sim", sim_latency=FAST)
+    rconfig = RemoteConfig(
+        workers=((url, "sglang"),), health_check_interval=0.05, breaker_open_seconds=0.1
+    )
+    async with (
+        trio.open_nursery() as nursery,
+        open_engine(config) as engine,
+        httpx.AsyncClient(timeout=30) as client,
+        open_remote_engine(rconfig) as front,
+        app.open_http_server(front, testing.server_settings()) as urls,
+    ):
+        assert front.model_info.name == "remote"
+        worker = await start_worker(nursery, engine, port=int(url.rsplit(":", 1)[1]))
+        model = (await client.get(f"{worker.url}/v1/models")).json()["data"][0]["id"]
+        assert model != "remote"
+        with trio.fail_after(3):
+            while (await client.get(f"{urls[0]}/v1/models")).json()["data"][0]["id"] != model:
+                await trio.sleep(0.02)
+        body = {"model": model, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+        completion = await client.post(f"{urls[0]}/v1/completions", json=body)
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["model"] == model
+        worker.kill()
