@@ -220,6 +220,8 @@ class RemoteEngine:
 
     def remove_worker(self, url: str) -> WorkerStats:
         removed = self.fleet.remove(url)
+        # A worker added again at this URL may serve another model (a redeployed vLLM).
+        self._models.pop(removed.url, None)
         for item in self._live.values():
             if item.worker is removed and not item.started and item.attempt is not None:
                 item.attempt.cancel()  # retried elsewhere; what has output finishes there

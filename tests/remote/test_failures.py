@@ -3,6 +3,7 @@ the request's deadline, a client that leaves, and workers added and removed at r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import socket
 from collections.abc import AsyncIterator
@@ -281,4 +282,35 @@ async def test_a_front_started_before_its_workers_learns_the_model_once_one_is_u
         completion = await client.post(f"{urls[0]}/v1/completions", json=body)
         assert completion.status_code == 200, completion.text
         assert completion.json()["model"] == model
+        worker.kill()
+
+
+async def test_an_openai_worker_added_again_is_asked_its_model_again() -> None:
+    """A vLLM redeployed at the same URL with another model: removed, then added again, it
+    gets requests naming its new model, not the one the front asked its predecessor."""
+    (url,) = _dead_urls(1)
+    port = int(url.rsplit(":", 1)[1])
+    old_config = EngineConfig(runner="sim", sim_latency=FAST, served_model_name="old-model")
+    new_config = dataclasses.replace(old_config, served_model_name="new-model")
+    rconfig = RemoteConfig(workers=((url, "openai"),), health_check_interval=0)
+    body = {"text": "hi", "sampling_params": greedy(2)}
+    async with (
+        trio.open_nursery() as nursery,
+        open_engine(old_config) as old,
+        open_engine(new_config) as new,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        worker = await start_worker(nursery, old, port=port)
+        async with (
+            open_remote_engine(rconfig) as front,
+            app.open_http_server(front, testing.server_settings()) as urls,
+        ):
+            assert (await generate(client, urls[0], body)).status_code == 200
+            front.remove_worker(url)
+            worker.kill()
+            worker = await start_worker(nursery, new, port=port)
+            front.add_worker(url, "openai")
+            answer = await generate(client, urls[0], body)
+            assert answer.status_code == 200, answer.text
+            assert new.stats().generated_tokens == 2
         worker.kill()
