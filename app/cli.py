@@ -230,6 +230,9 @@ def remote_config(args: argparse.Namespace) -> remote.RemoteConfig | None:
             lines += [line.split(" #")[0].strip() for line in file]
     workers = [parse_worker(line, args.worker_kind) for line in lines if line and line[0] != "#"]
     if not workers:
+        if args.workers_file is not None:
+            # Serving a model of our own instead would be a surprise (and load a model).
+            raise ValueError(f"--workers-file {args.workers_file} names no worker")
         return None
     if args.max_retries < 0:
         raise ValueError(f"--max-retries must be at least 0, got {args.max_retries}")

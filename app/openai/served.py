@@ -36,7 +36,9 @@ LOGGER = logging.getLogger("tributary.openai")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServedModel:
     engine: EngineService
-    name: str
+    #: `--served-model-name`; without it the engine's model name, read at each use (a front
+    #: serving from workers learns it once a worker answers).
+    served_model_name: str | None
     #: Unix time the API started serving it (OpenAI's model card `created`).
     created: int
     template: ChatTemplate | None
@@ -57,12 +59,16 @@ class ServedModel:
             template = None
         return cls(
             engine=engine,
-            name=engine.config.served_model_name or info.name,
+            served_model_name=engine.config.served_model_name,
             created=int(time.time()),
             template=template,
             speller=TokenSpeller(engine),
             timing_detail=timing_detail,
         )
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.engine.model_info.name
 
     @property
     def context_length(self) -> int:

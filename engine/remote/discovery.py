@@ -50,17 +50,22 @@ def unknown_model(name: str) -> ModelInfo:
 
 
 async def discover_model(
-    client: httpx.AsyncClient, workers: Iterable[Worker], *, timeout: float, base: ModelInfo
+    client: httpx.AsyncClient,
+    workers: Iterable[Worker],
+    *,
+    timeout: float,
+    base: ModelInfo,
+    log_level: int = logging.WARNING,
 ) -> ModelInfo:
     """`base` with what the first worker to answer (within `timeout` each) says of its model
-    (`/get_model_info` of an SGLang-kind worker, `/v1/models` of an OpenAI one); `base` as
-    it is if none answers. Never raises for a worker's failure."""
+    (`/get_model_info` of an SGLang-kind worker, `/v1/models` of an OpenAI one); `base`
+    itself (the same object) if none answers. Never raises for a worker's failure."""
     for worker in workers:
         try:
             with trio.fail_after(timeout):
                 info = await _ask(client, worker)
         except (httpx.HTTPError, ValueError, KeyError, IndexError, trio.TooSlowError) as exc:
-            LOGGER.warning("no model info from %s: %s", worker.url, exc)
+            LOGGER.log(log_level, "no model info from %s: %s", worker.url, exc)
             continue
         return dataclasses.replace(base, **{k: v for k, v in info.items() if v is not None})
     return base

@@ -125,14 +125,11 @@ async def open_remote_engine(config: RemoteConfig) -> AsyncIterator[RemoteEngine
         fleet = Fleet(config.workers, policy=config.policy, breaker_factory=breakers)
         engine = RemoteEngine(config, fleet, client)
         base = unknown_model(config.served_model_name or "remote")
-        info = await discover_model(
-            client, fleet.workers, timeout=config.health_check_timeout, base=base
-        )
-        if config.served_model_name:
-            info = dataclasses.replace(info, name=config.served_model_name)
-        engine._info = info
+        discovered = await engine._discover(base, log_level=logging.WARNING)
         async with open_service_nursery() as nursery:
             engine._nursery = nursery
+            if not discovered:
+                nursery.start_soon(engine._discover_later, base)
             if config.health_check_interval > 0:
                 await nursery.start(
                     partial(
@@ -166,6 +163,8 @@ class _Item:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    #: Trio clock when the item's first token reached the front (its `Done` carries it).
+    first_token_at: float | None = None
 
 
 class RemoteEngine:
@@ -223,10 +222,36 @@ class RemoteEngine:
 
     def remove_worker(self, url: str) -> WorkerStats:
         removed = self.fleet.remove(url)
+        # A worker added again at this URL may serve another model (a redeployed vLLM).
+        self._models.pop(removed.url, None)
         for item in self._live.values():
             if item.worker is removed and not item.started and item.attempt is not None:
                 item.attempt.cancel()  # retried elsewhere; what has output finishes there
         return _worker_stats(removed)
+
+    async def _discover(self, base: ModelInfo, *, log_level: int) -> bool:
+        """Ask the workers about the model; whether one answered (else the model stays
+        `base`: a name of the front's and no limits of its own)."""
+        info = await discover_model(
+            self._client,
+            self.fleet.workers,
+            timeout=self.config.health_check_timeout,
+            base=base,
+            log_level=log_level,
+        )
+        if self.config.served_model_name:
+            info = dataclasses.replace(info, name=self.config.served_model_name)
+        self._info = info
+        return info is not base
+
+    async def _discover_later(self, base: ModelInfo) -> None:
+        """No worker answered at start (workers still loading their model, or none added
+        yet): ask again until one does, so the model's name (what /v1 requests must name),
+        context length and vocabulary become the workers' once they are up."""
+        pause = self.config.health_check_interval or _REDISCOVER_SECONDS
+        while not await self._discover(base, log_level=logging.DEBUG):
+            await trio.sleep(pause)
+        LOGGER.info("serving %s, as a worker describes it", self._info.name)
 
     # -- what stays on the workers ---------------------------------------------------------
 
@@ -335,6 +360,7 @@ class RemoteEngine:
                 item.completion_tokens,
                 item.cached_tokens,
                 finish_reason=reason,
+                first_token_at=item.first_token_at,
             ),
         )
         self._aborted += 1
@@ -365,6 +391,11 @@ class RemoteEngine:
             return
         if isinstance(out, Frame | Done):
             item.started = True
+            if item.first_token_at is None and out.completion_tokens > 0:
+                item.first_token_at = trio.current_time()
+            if isinstance(out, Done):
+                # The front's view, as for e2e_latency (time_to_first_token, /metrics).
+                out = dataclasses.replace(out, first_token_at=item.first_token_at)
             self._generated_tokens += max(0, out.completion_tokens - item.completion_tokens)
             item.prompt_tokens = out.prompt_tokens
             item.completion_tokens = out.completion_tokens
@@ -439,6 +470,8 @@ class RemoteEngine:
         with trio.CancelScope() as scope:
             item.attempt = scope
             return await self._try(item, worker, key)
+        if item.ended:
+            return None  # cut while reading what followed its terminal item: nothing to retry
         assert self._nursery is not None
         self._nursery.start_soon(self._post_abort, worker, item.rid)
         return WorkerFailure(f"Worker {worker.url} was removed.", status=503)
@@ -465,15 +498,18 @@ class RemoteEngine:
                     message = error_message(await response.aread(), status)
                     return self._failed(item, worker, status, message, started=False)
                 payloads = SSEPayloads()
-                async for chunk in response.aiter_bytes():
+                chunks = response.aiter_bytes()
+                async for chunk in chunks:
                     for payload in payloads.feed(chunk):
                         if payload == b"[DONE]":
                             break
                         outcome = self._take(item, worker, reader, orjson.loads(payload))
                         if not isinstance(outcome, _More):
+                            await _read_to_end(chunks)
                             return outcome
                     else:
                         continue
+                    await _read_to_end(chunks)
                     break  # [DONE]
             if isinstance(reader, openai.CompletionStreamReader):
                 done = reader.done()
@@ -575,6 +611,28 @@ _NO_TOKENIZER = (
     "This server fronts a fleet of workers and has no tokenizer of its own (tokenization "
     "stays on the workers); call /tokenize or /detokenize on a worker."
 )
+
+
+#: Seconds between asks about the model while no worker has answered (with health checks
+#: off; else their interval).
+_REDISCOVER_SECONDS = 1.0
+
+#: How long the rest of a worker's body (`[DONE]`, the chunked body's end) may take to come
+#: once the item has its terminal frame.
+_TRAILER_SECONDS = 1.0
+
+
+async def _read_to_end(chunks: AsyncIterator[bytes]) -> None:
+    """Read what follows the terminal frame so the connection goes back to the keep-alive
+    pool: httpx closes a connection whose response was left unread, and every request would
+    then open a new one. A worker that holds the stream open, or breaks it now, costs the
+    item nothing: its answer is already delivered."""
+    with trio.move_on_after(_TRAILER_SECONDS):
+        try:
+            async for _ in chunks:
+                pass
+        except httpx.HTTPError:
+            pass
 
 
 def _worker_leaving(done: Done) -> bool:

@@ -45,7 +45,7 @@ class Worker:
     in_flight: int = 0  # requests currently forwarded to it (the RemoteEngine counts them)
     requests_total: int = 0  # attempts sent to it
     errors_total: int = 0  # attempts that failed
-    retries_total: int = 0  # attempts that were retries of an attempt that failed elsewhere
+    retries_total: int = 0  # attempts that failed here before any output, retried elsewhere
     healthy: bool = True  # the last health probe's verdict
     removed: bool = False  # set when removed from the fleet (in-flight requests finish)
 

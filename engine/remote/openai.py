@@ -157,7 +157,11 @@ class CompletionStreamReader:
         if reason == "length":
             return length_reason(self.request.sampling.max_new_tokens or self.completion_tokens)
         if reason == "stop":
-            return {"type": "stop", "matched": choice.get("stop_reason")}
+            # vLLM names what matched `stop_reason`; SGLang and Tributary, `matched_stop`.
+            matched = choice.get("stop_reason")
+            if matched is None:
+                matched = choice.get("matched_stop")
+            return {"type": "stop", "matched": matched}
         if reason == "abort":
             return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         return {"type": str(reason)}

@@ -41,3 +41,11 @@ def test_workers_from_flags_and_a_file(tmp_path: Path) -> None:
 def test_a_worker_that_makes_no_sense_is_refused(url: str) -> None:
     with pytest.raises(ValueError):
         fleet_of("--worker-url", url)
+
+
+def test_a_workers_file_without_a_worker_is_refused(tmp_path: Path) -> None:
+    """Not a front that quietly loads a model of its own instead."""
+    listing = tmp_path / "workers"
+    listing.write_text("# every worker is commented out\n# http://a:1\n\n")
+    with pytest.raises(ValueError, match="names no worker"):
+        fleet_of("--workers-file", str(listing))

@@ -3,6 +3,7 @@ the request's deadline, a client that leaves, and workers added and removed at r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import socket
 from collections.abc import AsyncIterator
@@ -12,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from remotehelpers import SLOW, generate, greedy, open_fleet, restart, sse
+from remotehelpers import FAST, SLOW, generate, greedy, open_fleet, restart, sse, start_worker
 
 from tributary import app, testing
+from tributary.engine import EngineConfig, open_engine
 from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engine
 
 
@@ -219,6 +221,25 @@ async def test_the_openai_kind_against_a_tributary_v1(field: str) -> None:
         assert field in refused.json()["error"]["message"]
 
 
+async def test_the_openai_kind_keeps_the_stop_that_matched() -> None:
+    """A Tributary or SGLang /v1 worker says what matched as `matched_stop` (vLLM as
+    `stop_reason`): the front's finish_reason is the worker's own /generate one."""
+    async with (
+        open_fleet(1, kind="openai") as fleet,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        worker = fleet.workers[0].url
+        body = {"text": "openai upstream", "sampling_params": greedy(10)}
+        whole = (await generate(client, worker, body)).json()["text"]
+        body["sampling_params"] = greedy(10, stop=[whole[4:6]])
+        direct = (await generate(client, worker, body)).json()
+        assert direct["meta_info"]["finish_reason"] == {"type": "stop", "matched": whole[4:6]}
+        for stream in (False, True):
+            answer = await generate(client, fleet.url, {**body, "stream": stream})
+            last = answer.json() if not stream else sse(answer.text)[-2]
+            assert last["meta_info"]["finish_reason"] == direct["meta_info"]["finish_reason"]
+
+
 async def test_a_client_that_leaves_frees_the_sequence_on_an_openai_kind_worker() -> None:
     async with (
         open_fleet(1, latency=SLOW, kind="openai") as fleet,
@@ -232,3 +253,64 @@ async def test_a_client_that_leaves_frees_the_sequence_on_an_openai_kind_worker(
             while (await client.get(f"{worker.url}/get_load")).json()[0]["num_reqs"]:
                 await trio.sleep(0.005)
         await testing.wait_engine_idle(worker.engine, timeout=1)
+
+
+async def test_a_front_started_before_its_workers_learns_the_model_once_one_is_up() -> None:
+    """Workers load their model for minutes, so a front usually starts first: the model it
+    serves (the name /v1 requests must give, /v1/models) becomes the worker's once one is up,
+    not the stand-in it started with."""
+    (url,) = _dead_urls(1)
+    config = EngineConfig(runner="sim", sim_latency=FAST)
+    rconfig = RemoteConfig(
+        workers=((url, "sglang"),), health_check_interval=0.05, breaker_open_seconds=0.1
+    )
+    async with (
+        trio.open_nursery() as nursery,
+        open_engine(config) as engine,
+        httpx.AsyncClient(timeout=30) as client,
+        open_remote_engine(rconfig) as front,
+        app.open_http_server(front, testing.server_settings()) as urls,
+    ):
+        assert front.model_info.name == "remote"
+        worker = await start_worker(nursery, engine, port=int(url.rsplit(":", 1)[1]))
+        model = (await client.get(f"{worker.url}/v1/models")).json()["data"][0]["id"]
+        assert model != "remote"
+        with trio.fail_after(3):
+            while (await client.get(f"{urls[0]}/v1/models")).json()["data"][0]["id"] != model:
+                await trio.sleep(0.02)
+        body = {"model": model, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+        completion = await client.post(f"{urls[0]}/v1/completions", json=body)
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["model"] == model
+        worker.kill()
+
+
+async def test_an_openai_worker_added_again_is_asked_its_model_again() -> None:
+    """A vLLM redeployed at the same URL with another model: removed, then added again, it
+    gets requests naming its new model, not the one the front asked its predecessor."""
+    (url,) = _dead_urls(1)
+    port = int(url.rsplit(":", 1)[1])
+    old_config = EngineConfig(runner="sim", sim_latency=FAST, served_model_name="old-model")
+    new_config = dataclasses.replace(old_config, served_model_name="new-model")
+    rconfig = RemoteConfig(workers=((url, "openai"),), health_check_interval=0)
+    body = {"text": "hi", "sampling_params": greedy(2)}
+    async with (
+        trio.open_nursery() as nursery,
+        open_engine(old_config) as old,
+        open_engine(new_config) as new,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        worker = await start_worker(nursery, old, port=port)
+        async with (
+            open_remote_engine(rconfig) as front,
+            app.open_http_server(front, testing.server_settings()) as urls,
+        ):
+            assert (await generate(client, urls[0], body)).status_code == 200
+            front.remove_worker(url)
+            worker.kill()
+            worker = await start_worker(nursery, new, port=port)
+            front.add_worker(url, "openai")
+            answer = await generate(client, urls[0], body)
+            assert answer.status_code == 200, answer.text
+            assert new.stats().generated_tokens == 2
+        worker.kill()

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 from remotehelpers import generate, greedy, open_fleet, served_by, sse
 
 PROMPTS = [f"prompt number {i} says" for i in range(12)]
@@ -137,6 +138,17 @@ async def test_worker_e2e_latency_with_request_timing() -> None:
         ).json()
         meta = answer["meta_info"]
         assert 0 < meta["worker_e2e_latency"] <= meta["e2e_latency"]
+        # Time to first token is the front's own, as e2e_latency is (and /metrics has it).
+        assert 0 < meta["time_to_first_token"] <= meta["e2e_latency"]
+        assert meta["decode_time"] is not None and meta["queue_time"] is None
+        metrics = (await client.get(f"{fleet.url}/metrics")).text
+        ttft = [
+            sample.value
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+            if sample.name == "sglang:time_to_first_token_seconds_count"
+        ]
+        assert ttft == [1.0]
     async with open_fleet(1) as fleet, httpx.AsyncClient(timeout=30) as client:
         answer = (
             await generate(client, fleet.url, {"text": "hi", "sampling_params": greedy(4)})

@@ -30,7 +30,8 @@ def frame(text: str, completion: int, finish: Any = None) -> dict[str, Any]:
     return {"text": text, "output_ids": list(range(completion)), "meta_info": meta}
 
 
-def scripted_app(script: Script) -> Callable[..., Any]:
+def scripted_app(script: Script, clients: list[Any] | None = None) -> Callable[..., Any]:
+    """The worker; `clients` gets the (host, port) of each /generate's connection."""
     status, frames = script
 
     async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -45,6 +46,8 @@ def scripted_app(script: Script) -> Callable[..., Any]:
             pass
         if status == 0:
             await trio.sleep_forever()  # a worker that never answers
+        if clients is not None and scope["path"] == "/generate":
+            clients.append(tuple(scope["client"]))
         if scope["path"] != "/generate":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"{}"})
@@ -63,13 +66,13 @@ def scripted_app(script: Script) -> Callable[..., Any]:
 
 @asynccontextmanager
 async def scripted_front(
-    script: Script, *, with_real: bool
+    script: Script, *, with_real: bool, clients: list[Any] | None = None
 ) -> AsyncIterator[tuple[RemoteEngine, str, str]]:
     """A front over a scripted worker (and a real Tributary worker when `with_real`); yields
     the front engine, its URL and the scripted worker's URL."""
     async with trio.open_nursery() as nursery:
         config = hypercorn_config(testing.server_settings())
-        binds = await nursery.start(partial(serve, scripted_app(script), config))
+        binds = await nursery.start(partial(serve, scripted_app(script, clients), config))
         fake = binds[0]
         async with open_fleet(1 if with_real else 0) as fleet:
             workers = [(fake, "sglang"), *((w.url, "sglang") for w in fleet.workers)]
@@ -157,3 +160,20 @@ async def test_a_worker_removed_before_the_first_output_gives_its_items_up() -> 
             front.remove_worker(fake)
         assert [r.status_code for r in results] == [200, 200]
         assert all(w.url != fake for w in front.worker_stats())
+
+
+async def test_the_connection_to_a_worker_is_kept_alive() -> None:
+    """After the terminal frame the front reads the `[DONE]` that follows, so the connection
+    goes back to the pool instead of being closed (one TCP connection a request)."""
+    frames = [frame(" a", 1), frame(" a b", 2, {"type": "length", "length": 2})]
+    clients: list[Any] = []
+    async with (
+        scripted_front((200, frames), with_real=False, clients=clients) as (_, url, _),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        for stream in (False, True, False, True):
+            body = {"text": "hi", "stream": stream, "sampling_params": greedy(2)}
+            answer = await generate(client, url, body)
+            assert answer.status_code == 200, answer.text
+    assert len(clients) == 4
+    assert len(set(clients)) == 1, clients
