@@ -28,14 +28,10 @@ kept between the `<!-- notes -->` markers).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
-import os
-import platform
-import signal
-import socket
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -43,12 +39,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from page_notes import NOTES_END, NOTES_START, commands_section, existing_notes
+from serving import (
+    DOCS,
+    NO_KEEPALIVE_CLIENT,
+    REPO,
+    VENV_BIN,
+    Server,
+    ServerSpec,
+    free_port,
+    loadavg,
+    machine_info,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-DOCS = REPO / "docs" / "benchmarks"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SEED = 13
 
 #: `tributary serve` with the sim runner at zero cost and 64 running slots (there is no flag
@@ -61,71 +64,15 @@ ZERO_COST_SERVE = (
     "cli.configs = lambda a: (dataclasses.replace(orig(a)[0], sim_latency=zero), orig(a)[1]); "
     "sys.exit(cli.main(sys.argv[1:]))"
 )
-#: `tributary bench` with connections never reused (llama-server closes them after every
-#: stream; see bench/serving.py's NO_KEEPALIVE_CLIENT).
-NO_KEEPALIVE_CLIENT = (
-    "import sys, tributary.bench.runner as r; r.KEEPALIVE_EXPIRY = 0.0; "
-    "from tributary.app.cli import main; sys.exit(main(sys.argv[1:]))"
-)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def proc_cpu(pid: int) -> float:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-class Server:
-    """One server subprocess on a free loopback port, its log in a temporary directory."""
-
-    def __init__(self, name: str, argv: list[str], logs: Path, ready: str = "/health") -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [a.replace("{port}", str(self.port)) for a in argv]
-        self.log = logs / f"{name}.log"
-        self.ready = ready
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 120.0) -> Server:
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    sys.exit(f"{self.name} exited with {self.proc.returncode}; see {self.log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(self.url + self.ready).status_code == 200:
-                        return self
-                time.sleep(0.2)
-        sys.exit(f"{self.name} not ready after {timeout:.0f} s; see {self.log}")
-
-    def cpu(self) -> float:
-        return proc_cpu(self.proc.pid) if self.proc else 0.0
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def server(name: str, argv: list[str], logs: Path) -> Server:
+    """A server to start on a free loopback port (`{port}` in `argv`), ready at /health."""
+    port = free_port()
+    filled = [a.replace("{port}", str(port)) for a in argv]
+    made = Server(ServerSpec(name, argv, "/health"), filled, logs / f"{name}.log")
+    made.url = f"http://127.0.0.1:{port}"
+    return made
 
 
 def sim_worker(name: str, logs: Path, *, zero: bool) -> Server:
@@ -136,7 +83,7 @@ def sim_worker(name: str, logs: Path, *, zero: bool) -> Server:
         argv += ["--max-running-requests", "64"]
     else:
         argv = [str(VENV_BIN / "tributary"), *serve]
-    return Server(name, argv, logs)
+    return server(name, argv, logs)
 
 
 def front(name: str, logs: Path, workers: list[Server], kind: str = "sglang") -> Server:
@@ -144,7 +91,7 @@ def front(name: str, logs: Path, workers: list[Server], kind: str = "sglang") ->
     argv += ["--log-level", "warning", "--policy", "round_robin", "--worker-kind", kind]
     for w in workers:
         argv += ["--worker-url", w.url]
-    return Server(name, argv, logs)
+    return server(name, argv, logs)
 
 
 @dataclasses.dataclass
@@ -222,9 +169,9 @@ def measure(
         else [str(VENV_BIN / "python"), "-c", NO_KEEPALIVE_CLIENT]
     )
     argv = [*client, *bench_argv(target.url, tokenizer.url, wl, out, label)]
-    before = {k: s.cpu() for k, s in watch.items()}
+    before = {k: s.cpu_seconds() for k, s in watch.items()}
     proc = subprocess.run(argv, capture_output=True, text=True)
-    after = {k: s.cpu() for k, s in watch.items()}
+    after = {k: s.cpu_seconds() for k, s in watch.items()}
     if proc.returncode not in (0, 1) or not out.exists():
         sys.exit(f"tributary bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
     result = json.loads(out.read_text())
@@ -234,7 +181,7 @@ def measure(
     record["cpu_ms_per_request"] = {k: 1000 * (after[k] - before[k]) / requests for k in watch}
     # The command as a reader would type it (servers' ports differ each run).
     shown = ["tributary" if keepalive else "tributary(no keep-alive)", *argv[len(client) :]]
-    record["command"] = " ".join(shown).replace(str(tmp) + "/", "")
+    record["command"] = shlex.join(shown).replace(str(tmp) + "/", "")
     print(
         f"  {section:<8} {label:<34} {fmt(record['request_throughput'], '.2f'):>8} req/s  "
         f"e2e p50 {fmt(record['median_e2e_latency_ms'])} p99 {fmt(record['p99_e2e_latency_ms'])}"
@@ -276,27 +223,6 @@ def llama_setup() -> tuple[Path, Path] | None:
     return found[-1], Path(model)
 
 
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
-def machine() -> dict[str, Any]:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown",
-    )
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     q = args.quick
     latency = Workload("generate", 16, 16 if q else 160, 4 if q else 16, 64, 32)
@@ -307,9 +233,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(tmpname)
         servers: list[Server] = []
 
-        def started(server: Server) -> Server:
-            servers.append(server)
-            return server.start()
+        def started(s: Server) -> Server:
+            servers.append(s)
+            s.start(int(s.url.rsplit(":", 1)[1]))
+            return s
 
         try:
             print("added latency: sim runner, default SimLatency, concurrency 16", flush=True)
@@ -368,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 argv += ["-c", "8192", "--host", "127.0.0.1", "--port", "{port}"]
                 # A fresh llama-server for each run: the same prompts would otherwise hit
                 # the first run's prompt cache in the second.
-                ls = started(Server("llama-server", argv, tmp))
+                ls = started(server("llama-server", argv, tmp))
                 records.append(
                     measure(
                         "openai",
@@ -382,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 )
                 ls.stop()
-                ls = started(Server("llama-server-2", argv, tmp))
+                ls = started(server("llama-server-2", argv, tmp))
                 lf = started(front("llama-front", tmp, [ls], kind="openai"))
                 records.append(
                     measure(
@@ -399,9 +326,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for s in reversed(servers):
                 s.stop()
     return {"records": records, "llama_server": llama}
-
-
-NOTES_BEGIN, NOTES_END = "<!-- notes -->", "<!-- /notes -->"
 
 
 def render(doc: dict[str, Any], notes: str) -> str:
@@ -489,8 +413,8 @@ def render(doc: dict[str, Any], notes: str) -> str:
         lines.append(
             "llama-server is not built here (`python3 bench/peers.py build-llama-server`)."
         )
-    lines += ["", "## Reading it", "", NOTES_BEGIN, notes.strip(), NOTES_END, ""]
-    lines += ["## Commands", "", "```", "just bench-scale-out   # = " + doc["argv"], ""]
+    lines += ["", "## Reading it", "", NOTES_START, notes.strip(), NOTES_END, ""]
+    lines += commands_section("just bench-scale-out", "bench/scale_out.py", doc["argv"])[:-2]
     lines += [
         "# servers (ports chosen at run time):",
         "tributary serve --runner sim --port W1        # and W2; zero-cost: the CLI with "
@@ -521,8 +445,8 @@ def main() -> None:
     ).stdout.strip()
     doc = {
         "date": date,
-        "argv": " ".join(["bench/scale_out.py", *sys.argv[1:]]),
-        "machine": machine(),
+        "argv": " ".join(sys.argv[1:]),
+        "machine": machine_info(),
         "commit": commit,
         "load_before": load_before,
         "load_after": loadavg(),
@@ -531,11 +455,7 @@ def main() -> None:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     md_path = args.out_dir / "scale-out.md"
-    notes = "(no reading yet)"
-    if md_path.exists():
-        text = md_path.read_text()
-        if NOTES_BEGIN in text and NOTES_END in text:
-            notes = text.split(NOTES_BEGIN, 1)[1].split(NOTES_END, 1)[0]
+    notes = existing_notes(md_path) or "(no reading yet)"
     (args.out_dir / "scale-out.json").write_text(json.dumps(doc, indent=1) + "\n")
     md_path.write_text(render(doc, notes))
     print(f"wrote {args.out_dir / 'scale-out.json'} and {md_path} in {doc['wall_seconds']:.0f} s")
