@@ -139,6 +139,7 @@ KEYS = (
     "completed",
     "failed",
     "failure_reasons",
+    "retried",
     "duration",
     "request_throughput",
     "output_throughput",
