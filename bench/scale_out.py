@@ -21,7 +21,7 @@ Writes docs/benchmarks/scale-out.json (every run's `tributary bench` summary, th
 figures, the machine and load) and scale-out.md (machine, commands, table, a short reading
 kept between the `<!-- notes -->` markers).
 
-    .venv/bin/python bench/scale_out.py            # the full run, about 4-5 minutes
+    .venv/bin/python bench/scale_out.py            # the full run, 4-8 minutes (the machine's load)
     .venv/bin/python bench/scale_out.py --quick    # a smoke run, under a minute
 """
 
@@ -181,8 +181,10 @@ def measure(
     record |= {"section": section, "label": label, "workload": dataclasses.asdict(wl)}
     record["cpu_ms_per_request"] = {k: 1000 * (after[k] - before[k]) / requests for k in watch}
     # The command as a reader would type it (servers' ports differ each run).
-    shown = ["tributary" if keepalive else "tributary(no keep-alive)", *argv[len(client) :]]
-    record["command"] = shlex.join(shown).replace(str(tmp) + "/", "")
+    shown = shlex.join(["tributary", *argv[len(client) :]]).replace(str(tmp) + "/", "")
+    if not keepalive:
+        shown += "  # connections never reused (serving.py's NO_KEEPALIVE_CLIENT)"
+    record["command"] = shown
     print(
         f"  {section:<8} {label:<34} {fmt(record['request_throughput'], '.2f'):>8} req/s  "
         f"e2e p50 {fmt(record['median_e2e_latency_ms'])} p99 {fmt(record['p99_e2e_latency_ms'])}"

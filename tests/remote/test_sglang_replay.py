@@ -1,6 +1,6 @@
 """Wire compatibility with SGLang: a fake upstream replays the bytes SGLang's Python server
 sends on `/generate` (`data: {...}\\n\\n` events, then `data: [DONE]\\n\\n`), built from
-/work/shared/docs/sglang-generate-contract.md (sections 3 to 6 and 9), and one Tributary
+../shared/docs/sglang-generate-contract.md (sections 3 to 6 and 9), and one Tributary
 front over it must answer each client request as SGLang itself would have: same text,
 output_ids, meta_info keys and values (e2e_latency is the front's own, so only its presence
 and type are checked), finish_reason objects, `index` on batch stream items, statuses and
