@@ -1,7 +1,7 @@
 """One slow health probe must not take a working fleet out of service.
 
 Seen in `bench/scale_out.py --quick` on a loaded machine (load average 6): a front over two
-idle, working Tributary workers answered all 20 requests at once with 503 "No worker is
+working Tributary workers (one idle) answered all 20 requests at once with 503 "No worker is
 available to serve the request." One probe round that misses `health_check_timeout` (2 s)
 marks every worker unhealthy until the next round (5 s later), and a request meanwhile is
 refused without being tried anywhere. SGLang's gateway (which the health module cites) wants
