@@ -74,3 +74,9 @@ bench-prefix-cache *ARGS: _ensure-setup
 # Disconnect soak on the real model: 2 rounds of 500 requests, 40% of clients leaving early (docs/benchmarks/soak.md).
 bench-soak *ARGS: _ensure-setup
     {{venv}}/bin/python bench/soak.py {{ARGS}}
+
+# A front over sim workers against one worker directly: added latency at concurrency 16, the
+# front's ceiling over zero-cost workers, and the OpenAI kind over llama-server if built
+# (docs/benchmarks/scale-out.md).
+bench-scale-out *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/scale_out.py {{ARGS}}
