@@ -46,7 +46,9 @@ class Worker:
     requests_total: int = 0  # attempts sent to it
     errors_total: int = 0  # attempts that failed
     retries_total: int = 0  # attempts that failed here before any output, retried elsewhere
-    healthy: bool = True  # the last health probe's verdict
+    healthy: bool = True  # the health probes' verdict (see `health`)
+    #: Health probes in a row that passed (> 0) or failed (< 0).
+    probe_streak: int = 0
     removed: bool = False  # set when removed from the fleet (in-flight requests finish)
 
     def available(self) -> bool:

@@ -7,16 +7,19 @@ Synopsis::
         await nursery.start(run_health_checks, fleet, client)   # returns after the first round
         ...                                                     # serve; cancel to stop
 
-A 200 marks the worker healthy and counts as a success for its breaker: if half-open, it is
-the trial that closes it (a worker that came back rejoins without risking a user's request);
-if closed, it ends a run of failures; if open, it changes nothing (the wait is not cut short:
-a worker that just failed several requests gets `open_seconds` of rest). Anything else
-(another status, a refused connection, no answer within `timeout`) marks it unhealthy and
-counts as a failure for its breaker, so a worker that stays down opens its breaker and is
-retried only by the probes. One worker's failure never ends the loop.
+A 200 counts as a success for the worker's breaker: if half-open, it is the trial that
+closes it (a worker that came back rejoins without risking a user's request); if closed, it
+ends a run of failures; if open, it changes nothing (the wait is not cut short: a worker that
+just failed several requests gets `open_seconds` of rest). Anything else (another status, a
+refused connection, no answer within `timeout`) counts as a failure for its breaker, so a
+worker that stays down opens its breaker and is retried only by the probes. One worker's
+failure never ends the loop.
 
-SGLang's gateway probes every 30 s with a 10 s timeout and wants 2 passes or 3 failures to
-change its verdict; here one probe decides `healthy` and the breaker supplies the hysteresis.
+The verdict (`Worker.healthy`) changes as SGLang's gateway's does: after
+`FAILURES_TO_UNHEALTHY` failed probes in a row, and back after `PASSES_TO_HEALTHY` passes in
+a row. One probe that misses its timeout on a busy machine must not take a working fleet out
+of service: every worker marked unhealthy at once would have every request refused with a
+503 until the next round (`tests/remote/test_health_flap.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ import trio
 
 from .fleet import Fleet, Worker
 
-__all__ = ["check_fleet_health", "run_health_checks"]
+__all__ = ["FAILURES_TO_UNHEALTHY", "PASSES_TO_HEALTHY", "check_fleet_health", "run_health_checks"]
+
+#: Failed probes in a row that mark a worker unhealthy, and passes in a row that mark it
+#: healthy again (SGLang's gateway's thresholds).
+FAILURES_TO_UNHEALTHY = 3
+PASSES_TO_HEALTHY = 2
 
 
 async def run_health_checks(
@@ -68,8 +76,13 @@ async def _probe(worker: Worker, client: httpx.AsyncClient, timeout: float) -> N
             ok = response.status_code == 200
     if worker.removed:
         return  # left the fleet while the probe ran: nobody reads its verdict
-    worker.healthy = ok
     if ok:
+        worker.probe_streak = max(worker.probe_streak, 0) + 1
+        if worker.probe_streak >= PASSES_TO_HEALTHY:
+            worker.healthy = True
         worker.breaker.record_success()
     else:
+        worker.probe_streak = min(worker.probe_streak, 0) - 1
+        if -worker.probe_streak >= FAILURES_TO_UNHEALTHY:
+            worker.healthy = False
         worker.breaker.record_failure()

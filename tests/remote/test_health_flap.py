@@ -14,7 +14,6 @@ from functools import partial
 from typing import Any
 
 import httpx
-import pytest
 import trio
 from hypercorn.trio import serve
 from test_sglang_replay import FakeSGLang, body
@@ -45,12 +44,6 @@ class SlowOnceHealth:
         await self.inner(scope, receive, send)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/remote/health.py: one probe that misses its timeout marks the worker "
-    "unhealthy, and with every worker so marked the front answers 503 'No worker is "
-    "available' at once, though the workers serve; SGLang's gateway needs 3 failures",
-)
 async def test_one_slow_probe_does_not_refuse_requests_to_a_working_worker() -> None:
     worker = SlowOnceHealth(delay=1.0)
     async with trio.open_nursery() as nursery:
