@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prompt tokens one step prefills, all prompts together "
-        f"(default: {engine.DEFAULT_MAX_PREFILL_TOKENS}, or one chunk if larger)",
+        "(default: one chunk, --chunked-prefill-size)",
     )
     p.add_argument("--stream-interval", type=int, default=defaults.stream_interval)
     p.add_argument(

@@ -135,9 +135,9 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
             "/health",
             backends=("openai", "generate"),
         ),
-        "tributary-prefill-256": ServerSpec(
-            "tributary --max-prefill-tokens 256",
-            [*tributary, "--max-prefill-tokens", "256"],
+        "tributary-prefill-2048": ServerSpec(
+            "tributary --max-prefill-tokens 2048",
+            [*tributary, "--max-prefill-tokens", "2048"],
             "/health",
             backends=("openai", "generate"),
         ),

@@ -12,7 +12,6 @@ Synopsis::
                 ...
 """
 
-from .config import DEFAULT_MAX_PREFILL_TOKENS as DEFAULT_MAX_PREFILL_TOKENS
 from .config import EngineConfig as EngineConfig
 from .config import SimLatency as SimLatency
 from .core import Engine as Engine

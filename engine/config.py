@@ -22,10 +22,6 @@ class SimLatency:
     prefill_per_token: float = 0.0033
 
 
-#: Prompt tokens a step may prefill unless configured (llama-server's default batch size).
-DEFAULT_MAX_PREFILL_TOKENS = 2048
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     #: "llama" runs the real model; "sim" is the deterministic simulator for tests and
@@ -51,8 +47,10 @@ class EngineConfig:
     #: prompt still advances by at most one chunk a step, cut at the same fixed boundaries,
     #: so this only decides how many prompts start together: a burst of short prompts is
     #: prefilled in one step instead of one chunk's worth per step, at the cost of a longer
-    #: pause for the sequences decoding meanwhile. None: `DEFAULT_MAX_PREFILL_TOKENS`, or one
-    #: chunk if that is larger.
+    #: pause for the sequences decoding meanwhile. None: one chunk. Measured on a burst of 16
+    #: 60-token prompts (docs/benchmarks/serving.md): 2,048 gave the same throughput and p99
+    #: time to first token as one chunk, and twice the median (everyone waits for the whole
+    #: burst's prefill, as llama-server makes them), so one chunk is the default.
     max_prefill_tokens: int | None = None
     #: Emit a Frame every this many tokens (per-request `stream_interval` overrides it).
     stream_interval: int = 1
@@ -114,9 +112,7 @@ class EngineConfig:
     @property
     def prefill_budget(self) -> int:
         """Prompt tokens one step may prefill."""
-        if self.max_prefill_tokens is None:
-            return max(DEFAULT_MAX_PREFILL_TOKENS, self.prefill_chunk_tokens)
-        return self.max_prefill_tokens
+        return self.max_prefill_tokens or self.prefill_chunk_tokens
 
     @property
     def prefix_cache_bytes(self) -> int:

@@ -216,7 +216,7 @@ def test_prefill_flags_map_to_engine_config() -> None:
     assert engine_config.prefill_chunk_tokens == 128
     assert engine_config.prefill_budget == 512
     defaults, _ = configs(build_parser().parse_args(["serve"]))
-    assert defaults.prefill_chunk_tokens == 256 and defaults.prefill_budget == 2048
+    assert defaults.prefill_chunk_tokens == 256 and defaults.prefill_budget == 256
     too_small = build_parser().parse_args(["serve", "--max-prefill-tokens", "100"])
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         configs(too_small)

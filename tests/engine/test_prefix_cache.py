@@ -174,7 +174,6 @@ async def test_abort_during_a_restore_frees_slot_kv_and_pin(
     assert eng.stats().prefix_cache_entries == 1  # the entry itself stays
 
 
-@pytest.mark.tributary_config(max_prefill_tokens=256)
 async def test_abort_before_a_restore_is_planned_frees_the_pin(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:

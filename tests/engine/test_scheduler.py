@@ -166,7 +166,7 @@ async def test_a_burst_of_prompts_starts_within_the_prefill_budget(
 def test_a_prefill_budget_smaller_than_a_chunk_is_refused() -> None:
     with pytest.raises(ValueError, match=r"max_prefill_tokens .* must be at least"):
         EngineConfig(prefill_chunk_tokens=256, max_prefill_tokens=128)
-    # Unset, the budget is never below one chunk.
+    # Unset, the budget is one chunk.
     assert EngineConfig(prefill_chunk_tokens=4096).prefill_budget == 4096
 
 
@@ -401,7 +401,7 @@ async def test_closing_a_generator_around_the_stream_aborts(
     assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
 
 
-@pytest.mark.tributary_config(prefill_chunk_tokens=8, max_prefill_tokens=8, sim_fail_at_step=1)
+@pytest.mark.tributary_config(prefill_chunk_tokens=8, sim_fail_at_step=1)
 async def test_runner_failure_spares_sequences_outside_the_failed_step(
     tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
