@@ -98,8 +98,15 @@ class Fleet:
         return list(self._workers.values())
 
     def add(self, url: str, kind: WorkerKind = "sglang") -> Worker:
-        """Add a worker; ValueError naming the URL if it is not http(s) or already here."""
+        """Add a worker; ValueError naming the URL if it is not http(s) or already here, or
+        if it ends in `/v1` (the front adds `/v1/completions` itself: an OpenAI client's base
+        URL given here would send every request to `/v1/v1/...` and get the worker's 404)."""
         base = normalize_url(url)
+        if base.endswith("/v1"):
+            raise ValueError(
+                f"worker {base}: give the server's own URL, without /v1 (the front adds the "
+                "API paths itself)"
+            )
         if base in self._workers:
             raise ValueError(f"worker {base} is already in the fleet")
         worker = Worker(base, kind, self._breaker_factory())

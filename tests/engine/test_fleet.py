@@ -153,6 +153,9 @@ async def test_add_normalizes_and_refuses_duplicates_and_bad_urls() -> None:
         with pytest.raises(ValueError, match="worker URL") as caught:
             fleet.add(bad)
         assert repr(bad) in str(caught.value)
+    # An OpenAI client's base URL: the front adds /v1/... itself.
+    with pytest.raises(ValueError, match=r"http://h:8000/v1: give the server's own URL"):
+        fleet.add("http://h:8000/v1/", "openai")
     assert fleet.workers == [worker]
 
 
