@@ -1,6 +1,7 @@
 """Chat completions at a front: relayed whole to a worker that has the model's template and
-tokenizer (a Tributary worker on the real model), byte for byte, with the front's retries,
-deadline and disconnect handling."""
+tokenizer (a Tributary worker on the real model, or a fake OpenAI server that answers as a
+test scripts it), byte for byte, with the front's retries, deadline and disconnect
+handling."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 import trio
-from remotehelpers import SLOW, start_worker
+from hypercorn.trio import serve
+from remotehelpers import SLOW, fake_worker_request, start_worker
 
 from tributary import app, testing
+from tributary.app.server import hypercorn_config
 from tributary.engine import EngineConfig, open_engine
-from tributary.engine.remote import RemoteConfig, open_remote_engine
+from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engine
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0}
@@ -177,3 +181,99 @@ async def test_a_chat_body_that_is_not_an_object_is_a_400_at_the_front(body: Any
             headers={"content-type": "application/json"},
         )
         assert answer.status_code == 400 and answer.json()["error"]["message"]
+
+
+# -- a fake OpenAI worker ---------------------------------------------------------------
+
+
+def fake_chat(scenario: str, **extra: Any) -> dict[str, Any]:
+    """A chat body whose one message names what `FakeChatWorker` answers."""
+    return {"messages": [{"role": "user", "content": scenario}], **extra}
+
+
+def chunk_event(text: str) -> bytes:
+    chunk = {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}}],
+    }
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+class FakeChatWorker:
+    """An OpenAI server (ASGI) serving model "fake", whose chat answer the first message
+    names: "break" (one event, then the connection cut), "gated" (one event, then the rest
+    once `release` is set), "hold" (one event, then nothing until its client leaves, counted
+    in `left`), "json then hold" (a JSON answer's first half, then the same)."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+        self.left = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raw = await fake_worker_request(scope, receive, send)
+        if raw is None:
+            return
+        if scope["path"] == "/v1/models":
+            models = json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+            json_type = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": json_type})
+            await send({"type": "http.response.body", "body": models.encode()})
+            return
+        scenario = json.loads(raw)["messages"][0]["content"]
+        if scenario == "json then hold":
+            json_type = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": json_type})
+            first = b'{"object": "chat.completion", '
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await self._hold(receive)
+            return
+        sse_type = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": sse_type})
+        await send({"type": "http.response.body", "body": chunk_event("Hello"), "more_body": True})
+        if scenario == "break":
+            raise RuntimeError("the worker fails mid-answer")  # Hypercorn cuts the connection
+        if scenario == "hold":
+            await self._hold(receive)
+            return
+        await self.release.wait()
+        await send(
+            {"type": "http.response.body", "body": chunk_event(" world") + b"data: [DONE]\n\n"}
+        )
+
+    async def _hold(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.left += 1
+
+
+@asynccontextmanager
+async def open_fake_fleet(**remote: Any) -> AsyncIterator[tuple[FakeChatWorker, RemoteEngine, str]]:
+    """A `FakeChatWorker` on loopback and a front over it; yields (worker, front, front URL)."""
+    fake = FakeChatWorker()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            partial(serve, fake, hypercorn_config(testing.server_settings()))
+        )
+        config = RemoteConfig(workers=((binds[0], "openai"),), health_check_interval=0, **remote)
+        async with (
+            open_remote_engine(config) as front,
+            app.open_http_server(front, testing.server_settings()) as urls,
+        ):
+            yield fake, front, urls[0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_keeps_breaking_relayed_streams_opens_its_breaker() -> None:
+    async with (
+        open_fake_fleet(breaker_failure_threshold=2) as (_, front, url),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        for _ in range(2):
+            answer = await client.post(
+                f"{url}/v1/chat/completions", json=fake_chat("break", stream=True)
+            )
+            events = testing.parse_sse(answer.text)
+            assert events[-1] == "[DONE]" and "failed mid-answer" in events[-2]["error"]["message"]
+        # Two breaks in a row: the worker is taken out of service, as for /generate.
+        worker = front.fleet.workers[0]
+        assert worker.errors_total == 2 and worker.breaker.state == "open"
