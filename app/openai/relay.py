@@ -24,6 +24,7 @@ from quart import Response
 from tributary.engine import EngineError
 
 from ..limits import Deadline, RequestTimedOut
+from ..multiplex import sse_response
 from ..sse import DONE, sse_event
 from .errors import InvalidRequest, openai_error_object
 from .served import ServedModel
@@ -45,7 +46,9 @@ async def relay_to_worker(
     try:
         with trio.fail_at(deadline.at):
             answer = await stack.enter_async_context(passthrough)
-            if body.get("stream") is not True or answer.status != 200:
+            # The worker's answer, not the request's `stream`, says whether it streams: a
+            # `"stream": 1` that SGLang or vLLM reads as true, or a JSON answer to a stream.
+            if answer.status != 200 or not answer.content_type.startswith("text/event-stream"):
                 data = b"".join([chunk async for chunk in answer.chunks])
                 await _close(stack)
                 return Response(data, status=answer.status, content_type=answer.content_type)
@@ -56,7 +59,7 @@ async def relay_to_worker(
         await _close(stack)
         raise
     relayed = _Relayed(answer.chunks, stack, deadline)
-    return Response(relayed, status=200, content_type=answer.content_type)
+    return sse_response(relayed)
 
 
 class _Relayed:

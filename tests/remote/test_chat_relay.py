@@ -277,3 +277,26 @@ async def test_a_worker_that_keeps_breaking_relayed_streams_opens_its_breaker() 
         # Two breaks in a row: the worker is taken out of service, as for /generate.
         worker = front.fleet.workers[0]
         assert worker.errors_total == 2 and worker.breaker.state == "open"
+
+
+async def test_the_workers_answer_decides_whether_the_relay_streams() -> None:
+    async with open_fake_fleet() as (fake, _, url), httpx.AsyncClient(timeout=30) as client:
+        # `"stream": 1` is a stream to SGLang and vLLM (pydantic reads it as true): the
+        # worker's events reach the client as they come, not once the worker has finished.
+        body = fake_chat("gated", stream=1)
+        with trio.fail_after(10):  # (buffered, it would wait for the release below)
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                assert r.headers["x-accel-buffering"] == "no"  # as the front's own streams
+                lines = r.aiter_lines()
+                assert (await lines.__anext__()).startswith("data: {")
+                fake.release.set()
+                assert "data: [DONE]" in [line async for line in lines]
+        # A JSON answer to a stream request is relayed as JSON: a deadline inside it is the
+        # 408 status, not an SSE event appended to half a JSON object.
+        held = await client.post(
+            f"{url}/v1/chat/completions",
+            json=fake_chat("json then hold", stream=True),
+            headers={"X-Request-Timeout": "2"},
+        )
+        assert held.status_code == 408 and held.json()["error"]["type"] == "timeout_error"
