@@ -32,10 +32,18 @@ from .served import ServedModel
 __all__ = ["relay_to_worker", "routing_key"]
 
 
+#: How long closing the worker's response may take. httpx drops an unfinished connection
+#: without a round trip, but the close is shielded, so a bound keeps a transport that
+#: waits from holding a cancelled request open.
+CLOSE_SECONDS = 5.0
+
+
 async def relay_to_worker(
-    served: ServedModel, path: str, body: Any, *, deadline: Deadline
+    served: ServedModel, path: str, body: Any, owned: list[Any], *, deadline: Deadline
 ) -> Response:
-    """Raises `EngineError` (OpenAI-shaped by the blueprint) before the first byte."""
+    """Raises `EngineError` (OpenAI-shaped by the blueprint) before the first byte. A
+    streamed answer's upstream response goes into `owned` (`owned_by_request`), so it is
+    closed even if the client leaves before Quart starts on the body."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     served.check_model(body.get("model"))
@@ -59,6 +67,7 @@ async def relay_to_worker(
         await _close(stack)
         raise
     relayed = _Relayed(answer.chunks, stack, deadline)
+    owned.append(relayed)
     return sse_response(relayed)
 
 
@@ -96,14 +105,16 @@ class _Relayed:
         return sse_event(openai_error_object(error)) + DONE
 
     async def aclose(self) -> None:
+        """Idempotent: Quart calls it as the body ends, the exchange again as it ends."""
         self._ended = True
         await _close(self._stack)
 
 
 async def _close(stack: AsyncExitStack) -> None:
     # Shielded: it runs as the client leaves (its handler cancelled), and the worker learns
-    # that its client left only when the upstream response is closed.
-    with trio.CancelScope(shield=True):
+    # that its client left only when the upstream response is closed. Bounded: cut short,
+    # the connection is dropped rather than closed cleanly, and in_flight still goes down.
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_SECONDS):
         await stack.aclose()
 
 

@@ -300,3 +300,45 @@ async def test_the_workers_answer_decides_whether_the_relay_streams() -> None:
             headers={"X-Request-Timeout": "2"},
         )
         assert held.status_code == 408 and held.json()["error"]["type"] == "timeout_error"
+
+
+async def test_a_client_gone_before_the_relayed_body_starts_closes_the_workers_answer() -> None:
+    async with open_fake_fleet() as (fake, front, _):
+        asgi = app.create_app(front, testing.server_settings())
+        request = json.dumps(fake_chat("hold", stream=True)).encode()
+        messages = [{"type": "http.request", "body": request, "more_body": False}]
+        headers_sent = trio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await headers_sent.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers_sent.set()
+                await trio.sleep_forever()  # the client leaves before Quart enters the body
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+            "extensions": {},
+        }
+        with trio.fail_after(10):
+            await asgi(scope, receive, send)
+        # As the exchange ends, not whenever the garbage collector gets to it.
+        assert front.fleet.workers[0].in_flight == 0
+        with trio.fail_after(5):
+            while not fake.left:
+                await trio.sleep(0.01)
