@@ -120,13 +120,23 @@ async def _close(stack: AsyncExitStack) -> None:
 
 def routing_key(body: dict[str, Any]) -> str | None:
     """What `cache_aware` routes a chat request by: its messages' text, in order (requests
-    sharing a conversation's beginning share a prefix)."""
+    sharing a conversation's beginning share a prefix). A content given as parts counts by
+    its text parts, as the string it stands for."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
     parts = []
     for message in messages:
         if isinstance(message, dict):
-            content = message.get("content")
-            parts.append(f"{message.get('role')}:{content if isinstance(content, str) else ''}")
+            parts.append(f"{message.get('role')}:{_text_of(message.get('content'))}")
     return "\n".join(parts) or None
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""

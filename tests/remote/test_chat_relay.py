@@ -19,6 +19,7 @@ from hypercorn.trio import serve
 from remotehelpers import SLOW, fake_worker_request, start_worker
 
 from tributary import app, testing
+from tributary.app.openai.relay import routing_key
 from tributary.app.server import hypercorn_config
 from tributary.engine import EngineConfig, open_engine
 from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engine
@@ -342,3 +343,18 @@ async def test_a_client_gone_before_the_relayed_body_starts_closes_the_workers_a
         with trio.fail_after(5):
             while not fake.left:
                 await trio.sleep(0.01)
+
+
+def test_content_given_as_parts_routes_by_its_text() -> None:
+    """The OpenAI SDKs' content parts are the same prompt as a string: one routing key.
+    (Keyed by the role alone, every conversation sent as parts shared one prefix, and
+    `cache_aware` sent them all to one worker.)"""
+
+    def key(content: Any) -> str | None:
+        return routing_key({"messages": [{"role": "user", "content": content}]})
+
+    def parts(text: str) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": "x"}}]
+
+    assert key(parts("Name three colours.")) == key("Name three colours.")
+    assert key(parts("Name three colours.")) != key(parts("Write a haiku."))
