@@ -10,7 +10,9 @@ the socket write itself, so nothing new can block.
 `owned_by_request(request.scope).append(x)`; each gets `x.close()` when the exchange ends,
 however it ends. This covers the gap a streaming view leaves between returning its response
 and Quart entering the body: a client that disconnects there still has its requests aborted.
-`close()` must be synchronous and idempotent.
+`close()` must be synchronous and idempotent. A resource that can only be closed with an
+`await` (a worker's HTTP response a front relays) has `aclose()` instead: awaited shielded,
+after the synchronous ones, so it must be idempotent and bounded in time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from typing import Any, Protocol
 
 import trio
 
-__all__ = ["CloseOwned", "Closeable", "ShieldFinalSend", "owned_by_request"]
+__all__ = [
+    "AsyncCloseable",
+    "CloseOwned",
+    "Closeable",
+    "Owned",
+    "ShieldFinalSend",
+    "owned_by_request",
+]
 
 _OWNED_KEY = "tributary.owned"
 
@@ -30,10 +39,18 @@ class Closeable(Protocol):
     def close(self) -> None: ...
 
 
-def owned_by_request(scope: Any) -> list[Closeable]:
+class AsyncCloseable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+#: What a view can hand to its exchange.
+Owned = Closeable | AsyncCloseable
+
+
+def owned_by_request(scope: Any) -> list[Owned]:
     """The list whose members are closed when this HTTP exchange ends. `scope` is the ASGI
     scope (`request.scope` in a view)."""
-    owned: list[Closeable] = scope.setdefault(_OWNED_KEY, [])
+    owned: list[Owned] = scope.setdefault(_OWNED_KEY, [])
     return owned
 
 
@@ -68,5 +85,13 @@ class CloseOwned:
         try:
             await self.app(scope, receive, send)
         finally:
+            closing = []
             for resource in owned:
-                resource.close()
+                if hasattr(resource, "aclose"):
+                    closing.append(resource)
+                else:
+                    resource.close()
+            if closing:
+                with trio.CancelScope(shield=True):
+                    for resource in closing:
+                        await resource.aclose()

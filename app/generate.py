@@ -18,7 +18,7 @@ from quart import Response
 
 from tributary.engine import Done, EngineService, Error, GenerateRequest, QueueFull, RequestStream
 
-from .asgi import Closeable
+from .asgi import Owned
 from .errors import abort_status, error_object
 from .exchange import Exchange
 from .limits import Deadline
@@ -122,7 +122,7 @@ async def handle_generate(
     engine: EngineService,
     settings: ServerSettings,
     body: Any,
-    cleanup: list[Closeable],
+    cleanup: list[Owned],
     exchange: Exchange | None = None,
     *,
     deadline: Deadline | None = None,

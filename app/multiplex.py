@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, Sequence
 from functools import partial
 from types import TracebackType
 
@@ -44,7 +44,7 @@ LOGGER = logging.getLogger("tributary.app.multiplex")
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_response(body: ResponseBody) -> Response:
+def sse_response(body: ResponseBody | AsyncIterable[bytes]) -> Response:
     response = Response(body, mimetype="text/event-stream", headers=_HEADERS)
     # Quart-Trio cuts any response after RESPONSE_TIMEOUT (60 s) without a word; a long
     # generation is not a stuck one.

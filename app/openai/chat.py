@@ -66,7 +66,11 @@ async def create_chat_completion(
     engine = served.engine
     if engine.serves_remotely:  # the template and tokenizer are the workers'
         return await relay_to_worker(
-            served, "/v1/chat/completions", body, deadline=deadline or Deadline(None, math.inf)
+            served,
+            "/v1/chat/completions",
+            body,
+            owned,
+            deadline=deadline or Deadline(None, math.inf),
         )
     req = parse_chat(body, vocab_size=engine.model_info.vocab_size)
     served.check_model(req.model)

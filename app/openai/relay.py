@@ -24,6 +24,7 @@ from quart import Response
 from tributary.engine import EngineError
 
 from ..limits import Deadline, RequestTimedOut
+from ..multiplex import sse_response
 from ..sse import DONE, sse_event
 from .errors import InvalidRequest, openai_error_object
 from .served import ServedModel
@@ -31,10 +32,18 @@ from .served import ServedModel
 __all__ = ["relay_to_worker", "routing_key"]
 
 
+#: How long closing the worker's response may take. httpx drops an unfinished connection
+#: without a round trip, but the close is shielded, so a bound keeps a transport that
+#: waits from holding a cancelled request open.
+CLOSE_SECONDS = 5.0
+
+
 async def relay_to_worker(
-    served: ServedModel, path: str, body: Any, *, deadline: Deadline
+    served: ServedModel, path: str, body: Any, owned: list[Any], *, deadline: Deadline
 ) -> Response:
-    """Raises `EngineError` (OpenAI-shaped by the blueprint) before the first byte."""
+    """Raises `EngineError` (OpenAI-shaped by the blueprint) before the first byte. A
+    streamed answer's upstream response goes into `owned` (`owned_by_request`), so it is
+    closed even if the client leaves before Quart starts on the body."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     served.check_model(body.get("model"))
@@ -45,7 +54,9 @@ async def relay_to_worker(
     try:
         with trio.fail_at(deadline.at):
             answer = await stack.enter_async_context(passthrough)
-            if body.get("stream") is not True or answer.status != 200:
+            # The worker's answer, not the request's `stream`, says whether it streams: a
+            # `"stream": 1` that SGLang or vLLM reads as true, or a JSON answer to a stream.
+            if answer.status != 200 or not answer.content_type.startswith("text/event-stream"):
                 data = b"".join([chunk async for chunk in answer.chunks])
                 await _close(stack)
                 return Response(data, status=answer.status, content_type=answer.content_type)
@@ -56,7 +67,8 @@ async def relay_to_worker(
         await _close(stack)
         raise
     relayed = _Relayed(answer.chunks, stack, deadline)
-    return Response(relayed, status=200, content_type=answer.content_type)
+    owned.append(relayed)
+    return sse_response(relayed)
 
 
 class _Relayed:
@@ -93,26 +105,38 @@ class _Relayed:
         return sse_event(openai_error_object(error)) + DONE
 
     async def aclose(self) -> None:
+        """Idempotent: Quart calls it as the body ends, the exchange again as it ends."""
         self._ended = True
         await _close(self._stack)
 
 
 async def _close(stack: AsyncExitStack) -> None:
     # Shielded: it runs as the client leaves (its handler cancelled), and the worker learns
-    # that its client left only when the upstream response is closed.
-    with trio.CancelScope(shield=True):
+    # that its client left only when the upstream response is closed. Bounded: cut short,
+    # the connection is dropped rather than closed cleanly, and in_flight still goes down.
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_SECONDS):
         await stack.aclose()
 
 
 def routing_key(body: dict[str, Any]) -> str | None:
     """What `cache_aware` routes a chat request by: its messages' text, in order (requests
-    sharing a conversation's beginning share a prefix)."""
+    sharing a conversation's beginning share a prefix). A content given as parts counts by
+    its text parts, as the string it stands for."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
     parts = []
     for message in messages:
         if isinstance(message, dict):
-            content = message.get("content")
-            parts.append(f"{message.get('role')}:{content if isinstance(content, str) else ''}")
+            parts.append(f"{message.get('role')}:{_text_of(message.get('content'))}")
     return "\n".join(parts) or None
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}]
+        return "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""

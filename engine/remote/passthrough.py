@@ -96,13 +96,16 @@ async def open_passthrough(
                     worker.breaker.record_failure()
                     continue
                 answered = True
+                chunks = _Chunks(response, worker)
                 yield Answer(
                     status,
                     response.headers.get("content-type", "application/json"),
-                    _chunks(response, worker),
+                    chunks,
                     worker.url,
                 )
-                if counts_against_worker(status):
+                if chunks.broken:
+                    pass  # counted where it broke; a success now would reset the breaker
+                elif counts_against_worker(status):
                     worker.breaker.record_failure()
                 else:
                     worker.breaker.record_success()
@@ -120,14 +123,24 @@ async def open_passthrough(
     raise failure
 
 
-async def _chunks(response: httpx.Response, worker: Worker) -> AsyncIterator[bytes]:
+class _Chunks:
     """The answer's body; a connection the worker breaks is a 502 `WorkerFailure` (counted
-    against it), so the caller ends its own response cleanly."""
-    try:
-        async for chunk in response.aiter_bytes():
-            yield chunk
-    except httpx.HTTPError as exc:
-        worker.errors_total += 1
-        worker.breaker.record_failure()
-        detail = str(exc) or type(exc).__name__
-        raise WorkerFailure(f"Worker {worker.url} failed mid-answer: {detail}") from None
+    against it, and `broken` set), so the caller ends its own response cleanly."""
+
+    def __init__(self, response: httpx.Response, worker: Worker) -> None:
+        self._bytes = response.aiter_bytes()
+        self._worker = worker
+        self.broken = False
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._bytes.__anext__()
+        except httpx.HTTPError as exc:
+            self.broken = True
+            self._worker.errors_total += 1
+            self._worker.breaker.record_failure()
+            detail = str(exc) or type(exc).__name__
+            raise WorkerFailure(f"Worker {self._worker.url} failed mid-answer: {detail}") from None

@@ -45,6 +45,32 @@ async def test_owned_resources_are_closed_however_the_exchange_ends(ending: str)
     assert scope.cancelled_caught == (ending == "cancel")
 
 
+class AsyncResource:
+    """Closed only with an await, as a worker's response a front relays."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def aclose(self) -> None:
+        await trio.sleep(0.01)  # a checkpoint: it would raise Cancelled unless shielded
+        self.closed += 1
+
+
+async def test_an_owned_resource_closed_with_an_await_is_awaited_even_when_cancelled() -> None:
+    resource, plain = AsyncResource(), Resource()
+
+    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        owned_by_request(scope).extend([resource, plain])
+        await trio.sleep_forever()
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    with trio.move_on_after(1):
+        await CloseOwned(inner)({"type": "http"}, receive, send)
+    assert resource.closed == 1 and plain.closed == 1
+
+
 async def test_only_the_final_body_send_is_shielded() -> None:
     completed: list[str] = []
 

@@ -126,3 +126,20 @@ def served_by(fleet: Fleet) -> list[int]:
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True)
+
+
+async def fake_worker_request(scope: dict[str, Any], receive: Any, send: Any) -> bytes | None:
+    """For a fake worker (an ASGI app): answers a lifespan scope's events and returns None
+    once it shuts down, or returns an HTTP request's whole body."""
+    if scope["type"] == "lifespan":
+        while True:
+            kind = (await receive())["type"].rsplit(".", 1)[-1]
+            await send({"type": f"lifespan.{kind}.complete"})
+            if kind == "shutdown":
+                return None
+    raw = b""
+    while True:
+        message = await receive()
+        raw += message.get("body", b"")
+        if not message.get("more_body"):
+            return raw

@@ -1,6 +1,7 @@
 """Chat completions at a front: relayed whole to a worker that has the model's template and
-tokenizer (a Tributary worker on the real model), byte for byte, with the front's retries,
-deadline and disconnect handling."""
+tokenizer (a Tributary worker on the real model, or a fake OpenAI server that answers as a
+test scripts it), byte for byte, with the front's retries, deadline and disconnect
+handling."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 import trio
-from remotehelpers import SLOW, start_worker
+from hypercorn.trio import serve
+from remotehelpers import SLOW, fake_worker_request, start_worker
 
 from tributary import app, testing
+from tributary.app.openai.relay import routing_key
+from tributary.app.server import hypercorn_config
 from tributary.engine import EngineConfig, open_engine
-from tributary.engine.remote import RemoteConfig, open_remote_engine
+from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engine
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0}
@@ -177,3 +182,179 @@ async def test_a_chat_body_that_is_not_an_object_is_a_400_at_the_front(body: Any
             headers={"content-type": "application/json"},
         )
         assert answer.status_code == 400 and answer.json()["error"]["message"]
+
+
+# -- a fake OpenAI worker ---------------------------------------------------------------
+
+
+def fake_chat(scenario: str, **extra: Any) -> dict[str, Any]:
+    """A chat body whose one message names what `FakeChatWorker` answers."""
+    return {"messages": [{"role": "user", "content": scenario}], **extra}
+
+
+def chunk_event(text: str) -> bytes:
+    chunk = {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}}],
+    }
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+class FakeChatWorker:
+    """An OpenAI server (ASGI) serving model "fake", whose chat answer the first message
+    names: "break" (one event, then the connection cut), "gated" (one event, then the rest
+    once `release` is set), "hold" (one event, then nothing until its client leaves, counted
+    in `left`), "json then hold" (a JSON answer's first half, then the same)."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+        self.left = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raw = await fake_worker_request(scope, receive, send)
+        if raw is None:
+            return
+        if scope["path"] == "/v1/models":
+            models = json.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+            json_type = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": json_type})
+            await send({"type": "http.response.body", "body": models.encode()})
+            return
+        scenario = json.loads(raw)["messages"][0]["content"]
+        if scenario == "json then hold":
+            json_type = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": json_type})
+            first = b'{"object": "chat.completion", '
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await self._hold(receive)
+            return
+        sse_type = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": sse_type})
+        await send({"type": "http.response.body", "body": chunk_event("Hello"), "more_body": True})
+        if scenario == "break":
+            raise RuntimeError("the worker fails mid-answer")  # Hypercorn cuts the connection
+        if scenario == "hold":
+            await self._hold(receive)
+            return
+        await self.release.wait()
+        await send(
+            {"type": "http.response.body", "body": chunk_event(" world") + b"data: [DONE]\n\n"}
+        )
+
+    async def _hold(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.left += 1
+
+
+@asynccontextmanager
+async def open_fake_fleet(**remote: Any) -> AsyncIterator[tuple[FakeChatWorker, RemoteEngine, str]]:
+    """A `FakeChatWorker` on loopback and a front over it; yields (worker, front, front URL)."""
+    fake = FakeChatWorker()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            partial(serve, fake, hypercorn_config(testing.server_settings()))
+        )
+        config = RemoteConfig(workers=((binds[0], "openai"),), health_check_interval=0, **remote)
+        async with (
+            open_remote_engine(config) as front,
+            app.open_http_server(front, testing.server_settings()) as urls,
+        ):
+            yield fake, front, urls[0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_keeps_breaking_relayed_streams_opens_its_breaker() -> None:
+    async with (
+        open_fake_fleet(breaker_failure_threshold=2) as (_, front, url),
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        for _ in range(2):
+            answer = await client.post(
+                f"{url}/v1/chat/completions", json=fake_chat("break", stream=True)
+            )
+            events = testing.parse_sse(answer.text)
+            assert events[-1] == "[DONE]" and "failed mid-answer" in events[-2]["error"]["message"]
+        # Two breaks in a row: the worker is taken out of service, as for /generate.
+        worker = front.fleet.workers[0]
+        assert worker.errors_total == 2 and worker.breaker.state == "open"
+
+
+async def test_the_workers_answer_decides_whether_the_relay_streams() -> None:
+    async with open_fake_fleet() as (fake, _, url), httpx.AsyncClient(timeout=30) as client:
+        # `"stream": 1` is a stream to SGLang and vLLM (pydantic reads it as true): the
+        # worker's events reach the client as they come, not once the worker has finished.
+        body = fake_chat("gated", stream=1)
+        with trio.fail_after(10):  # (buffered, it would wait for the release below)
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                assert r.headers["content-type"].startswith("text/event-stream")
+                assert r.headers["x-accel-buffering"] == "no"  # as the front's own streams
+                lines = r.aiter_lines()
+                assert (await lines.__anext__()).startswith("data: {")
+                fake.release.set()
+                assert "data: [DONE]" in [line async for line in lines]
+        # A JSON answer to a stream request is relayed as JSON: a deadline inside it is the
+        # 408 status, not an SSE event appended to half a JSON object.
+        held = await client.post(
+            f"{url}/v1/chat/completions",
+            json=fake_chat("json then hold", stream=True),
+            headers={"X-Request-Timeout": "2"},
+        )
+        assert held.status_code == 408 and held.json()["error"]["type"] == "timeout_error"
+
+
+async def test_a_client_gone_before_the_relayed_body_starts_closes_the_workers_answer() -> None:
+    async with open_fake_fleet() as (fake, front, _):
+        asgi = app.create_app(front, testing.server_settings())
+        request = json.dumps(fake_chat("hold", stream=True)).encode()
+        messages = [{"type": "http.request", "body": request, "more_body": False}]
+        headers_sent = trio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await headers_sent.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers_sent.set()
+                await trio.sleep_forever()  # the client leaves before Quart enters the body
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+            "extensions": {},
+        }
+        with trio.fail_after(10):
+            await asgi(scope, receive, send)
+        # As the exchange ends, not whenever the garbage collector gets to it.
+        assert front.fleet.workers[0].in_flight == 0
+        with trio.fail_after(5):
+            while not fake.left:
+                await trio.sleep(0.01)
+
+
+def test_content_given_as_parts_routes_by_its_text() -> None:
+    """The OpenAI SDKs' content parts are the same prompt as a string: one routing key.
+    (Keyed by the role alone, every conversation sent as parts shared one prefix, and
+    `cache_aware` sent them all to one worker.)"""
+
+    def key(content: Any) -> str | None:
+        return routing_key({"messages": [{"role": "user", "content": content}]})
+
+    def parts(text: str) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": "x"}}]
+
+    assert key(parts("Name three colours.")) == key("Name three colours.")
+    assert key(parts("Name three colours.")) != key(parts("Write a haiku."))

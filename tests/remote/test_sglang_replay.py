@@ -25,7 +25,7 @@ import httpx
 import pytest
 import trio
 from hypercorn.trio import serve
-from remotehelpers import sse
+from remotehelpers import fake_worker_request, sse
 
 from tributary import app, testing
 from tributary.app.server import hypercorn_config
@@ -149,18 +149,9 @@ class FakeSGLang:
         self.bodies: list[dict[str, Any]] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                kind = (await receive())["type"].rsplit(".", 1)[-1]
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        raw = await fake_worker_request(scope, receive, send)
+        if raw is None:
+            return
         if scope["path"] != "/generate":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"" if raw else b"{}"})
