@@ -101,18 +101,33 @@ async def test_greedy_is_batch_invariant(eng: engine.Engine) -> None:
 
 
 async def test_plain_greedy_picks_what_llama_cpps_greedy_sampler_picks(
-    eng: engine.Engine,
+    eng: engine.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Plain greedy requests take the row's argmax with numpy; a zero logit bias keeps the
     same request on llama.cpp's sampler chain. Both give the same 64 tokens, for single
     prompts and in a batch, including a request whose EOS is suppressed (min_new_tokens)."""
+    import llama_cpp
+
+    chain_calls = 0
+    sample = llama_cpp.llama_sampler_sample
+
+    def counted(*args: object) -> int:
+        nonlocal chain_calls
+        chain_calls += 1
+        return sample(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llama_cpp, "llama_sampler_sample", counted)
     prompts = [*PROMPTS[:4], CHAT.format("Name a fruit.")]
     for extra in ({}, {"min_new_tokens": 64}):
         plain = await run_all(eng, [request(p, max_new_tokens=64, **extra) for p in prompts])
+        assert chain_calls == 0  # every token was the fast path's
         chained = await run_all(
             eng,
             [request(p, max_new_tokens=64, logit_bias={"7": 0.0}, **extra) for p in prompts],
         )
+        # ... and here llama.cpp's sampler chose every token.
+        assert chain_calls == sum(len(ids) for _, ids, _ in chained) > 5 * 32
+        chain_calls = 0
         assert [ids for _, ids, _ in plain] == [ids for _, ids, _ in chained]
     assert eng._runner._argmax == set()  # type: ignore[attr-defined]  # closed slots leave
 
