@@ -71,7 +71,7 @@ from ..service_nursery import open_service_nursery
 from ..stream import OutputSender, RequestStream, open_output_channel
 from . import openai, sglang
 from .discovery import discover_model, openai_model_name, unknown_model
-from .fleet import Breaker, Fleet, Worker, WorkerKind
+from .fleet import Attempts, Breaker, Fleet, Worker, WorkerKind
 from .health import run_health_checks
 from .passthrough import Answer, open_passthrough
 from .wire import SSEPayloads, counts_against_worker, error_message, is_retryable_status
@@ -430,61 +430,44 @@ class RemoteEngine:
                 )
 
     async def _attempts(self, item: _Item) -> None:
-        tried: list[Worker] = []
-        openai_ok = not openai.unsupported_fields(item.request)
-        key = item.request.input_ids if item.request.input_ids is not None else item.request.text
+        assert item.stream is not None
+        attempts = Attempts(
+            self.fleet,
+            self.config,
+            item.request.input_ids if item.request.input_ids is not None else item.request.text,
+            deadline=item.stream.deadline,
+            skip_kind="openai" if openai.unsupported_fields(item.request) else None,
+        )
         failure: EngineError = WorkerFailure(
             "No worker is available to serve the request.", status=503
         )
-        for attempt in range(self.config.max_retries + 1):
-            if attempt > 0:
-                backoff = min(
-                    self.config.retry_backoff * 2 ** (attempt - 1), self.config.retry_backoff_max
-                )
-                assert item.stream is not None
-                if trio.current_time() + backoff >= item.stream.deadline:
-                    break
-                await trio.sleep(backoff)
-            worker = self._choose(key, tried, openai_ok)
-            if worker is None:
-                break
-            if attempt > 0:
-                tried[-1].retries_total += 1
-            tried.append(worker)
-            retry = await self._attempt(item, worker, key)
+        while (worker := await attempts.next()) is not None:
+            retry = await self._attempt(item, worker)
             if retry is None:
                 return
             failure = retry
         self._deliver(item, Error(item.rid, failure))
 
-    def _choose(self, key: Any, tried: list[Worker], openai_ok: bool) -> Worker | None:
-        exclude = list(tried)
-        if not openai_ok:
-            exclude += [w for w in self.fleet.workers if w.kind == "openai"]
-        return self.fleet.choose(key, exclude=exclude)
-
-    async def _attempt(self, item: _Item, worker: Worker, key: Any) -> EngineError | None:
+    async def _attempt(self, item: _Item, worker: Worker) -> EngineError | None:
         """One try on `worker`. Returns the failure if the item may be retried elsewhere;
         None once the item has ended (or was aborted, which cancels this). A worker removed
         before the item's first output gives it up (`remove_worker` cancels the try)."""
         with trio.CancelScope() as scope:
             item.attempt = scope
-            return await self._try(item, worker, key)
+            return await self._try(item, worker)
         if item.ended:
             return None  # cut while reading what followed its terminal item: nothing to retry
         assert self._nursery is not None
         self._nursery.start_soon(self._post_abort, worker, item.rid)
         return WorkerFailure(f"Worker {worker.url} was removed.", status=503)
 
-    async def _try(self, item: _Item, worker: Worker, key: Any) -> EngineError | None:
+    async def _try(self, item: _Item, worker: Worker) -> EngineError | None:
         item.worker = worker
         worker.in_flight += 1
-        worker.requests_total += 1
-        self.fleet.record_dispatch(worker, key)
         reader: sglang.GenerateStreamReader | openai.CompletionStreamReader | None = None
         try:
             if worker.kind == "openai":
-                model = await self._model_of(worker)
+                model = await self.model_of(worker)
                 url = f"{worker.url}/v1/completions"
                 body = openai.completions_body(item.request, item.rid, model)
                 reader = openai.CompletionStreamReader(item.rid, item.request)
@@ -591,10 +574,6 @@ class RemoteEngine:
 
     async def model_of(self, worker: Worker) -> str:
         """The model name a worker's OpenAI API serves (its `/v1/models`), asked once."""
-        return await self._model_of(worker)
-
-    async def _model_of(self, worker: Worker) -> str:
-        """The model name an OpenAI worker serves, asked once."""
         model = self._models.get(worker.url)
         if model is None:
             model = self._models[worker.url] = await openai_model_name(self._client, worker.url)

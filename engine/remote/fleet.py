@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterable
-from typing import Literal
+from typing import Literal, Protocol
 from urllib.parse import urlsplit
+
+import trio
 
 from .breaker import Breaker as Breaker
 from .policy import Policy, RoutingKey, make_policy
@@ -138,3 +140,65 @@ class Fleet:
     def record_dispatch(self, worker: Worker, key: RoutingKey | None) -> None:
         """A request with `key` was sent to `worker` (cache_aware remembers the prefix)."""
         self.policy.record_dispatch(worker, key)
+
+
+class RetryConfig(Protocol):
+    """The retry settings `Attempts` reads (`RemoteConfig` has them)."""
+
+    @property
+    def max_retries(self) -> int: ...
+
+    @property
+    def retry_backoff(self) -> float: ...
+
+    @property
+    def retry_backoff_max(self) -> float: ...
+
+
+class Attempts:
+    """Which worker a request tries next, for the RemoteEngine's items and the requests it
+    hands to a worker whole (`passthrough`): first the policy's pick; after a failure,
+    another worker not tried yet, once a backoff (`retry_backoff * 2**(k-1)`, at most
+    `retry_backoff_max`) has passed, at most `max_retries` times and never when the backoff
+    would end past `deadline`. Each pick is counted (`requests_total`, the previous worker's
+    `retries_total`) and recorded with the policy."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: RetryConfig,
+        key: RoutingKey | None,
+        *,
+        deadline: float,
+        skip_kind: WorkerKind | None = None,
+    ) -> None:
+        self._fleet = fleet
+        self._config = config
+        self._key = key
+        self._deadline = deadline
+        self._skip_kind = skip_kind
+        self.tried: list[Worker] = []
+
+    async def next(self) -> Worker | None:
+        """The worker to try now, after the backoff a retry waits; None when there is none
+        or the retries are spent."""
+        config, tried = self._config, self.tried
+        if tried:
+            if len(tried) > config.max_retries:
+                return None
+            backoff = min(config.retry_backoff * 2 ** (len(tried) - 1), config.retry_backoff_max)
+            if trio.current_time() + backoff >= self._deadline:
+                return None
+            await trio.sleep(backoff)
+        exclude = list(tried)
+        if self._skip_kind is not None:
+            exclude += [w for w in self._fleet.workers if w.kind == self._skip_kind]
+        worker = self._fleet.choose(self._key, exclude=exclude)
+        if worker is None:
+            return None
+        if tried:
+            tried[-1].retries_total += 1
+        tried.append(worker)
+        worker.requests_total += 1
+        self._fleet.record_dispatch(worker, self._key)
+        return worker

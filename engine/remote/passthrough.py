@@ -32,10 +32,9 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import trio
 
 from ..errors import WorkerFailure
-from .fleet import Worker
+from .fleet import Attempts, Worker
 from .wire import counts_against_worker, error_message, is_retryable_status
 
 if TYPE_CHECKING:
@@ -65,25 +64,10 @@ async def open_passthrough(
 ) -> AsyncIterator[Answer]:
     """POST `body` (its `model` replaced by the worker's) to `path` on a worker chosen by
     the fleet's policy for `key`; yield the first answer that is not a retryable failure."""
-    config = engine.config
-    fleet = engine.fleet
-    tried: list[Worker] = []
+    attempts = Attempts(engine.fleet, engine.config, key, deadline=deadline)
     failure = WorkerFailure("No worker is available to serve the request.", status=503)
-    for attempt in range(config.max_retries + 1):
-        if attempt > 0:
-            backoff = min(config.retry_backoff * 2 ** (attempt - 1), config.retry_backoff_max)
-            if trio.current_time() + backoff >= deadline:
-                break
-            await trio.sleep(backoff)
-        worker = fleet.choose(key, exclude=tried)
-        if worker is None:
-            break
-        if tried:
-            tried[-1].retries_total += 1
-        tried.append(worker)
+    while (worker := await attempts.next()) is not None:
         worker.in_flight += 1
-        worker.requests_total += 1
-        fleet.record_dispatch(worker, key)
         answered = False
         try:
             payload = {**body, "model": await engine.model_of(worker)}
