@@ -14,6 +14,7 @@ Synopsis::
 
 from .generate import drain_batch as drain_batch
 from .generate import drain_unary as drain_unary
+from .heap import settle_heap as settle_heap
 from .normalize import NormalizedGenerate as NormalizedGenerate
 from .normalize import normalize_generate as normalize_generate
 from .routes import create_app as create_app

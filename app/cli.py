@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from functools import partial
 
 import trio
 
@@ -21,6 +22,7 @@ from tributary.bench import cli as bench_cli
 from tributary.engine import remote
 
 from .exchange import JsonFormatter
+from .heap import GEN0_THRESHOLD, settle_heap
 from .loading import bound_port, serve_until_loaded
 from .server import open_http_server
 from .settings import ServerSettings
@@ -133,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-metrics",
         action="store_true",
         help="accepted for SGLang command lines; metrics are on unless --disable-metrics",
+    )
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=GEN0_THRESHOLD,
+        help="once serving, freeze the start-up heap and collect Python's youngest "
+        "generation after this many allocations (CPython's default: 700); "
+        "0 leaves the collector as it is",
     )
     p.add_argument(
         "--enable-request-timing",
@@ -262,6 +272,12 @@ def parse_worker(line: str, default_kind: str) -> tuple[str, remote.WorkerKind]:
     return url.rstrip("/"), kind  # type: ignore[return-value]
 
 
+def _settle_heap(gc_threshold: int) -> None:
+    if gc_threshold:
+        frozen = settle_heap(gc_threshold)
+        LOGGER.info("froze %d start-up objects; gc threshold %d", frozen, gc_threshold)
+
+
 def configure_logging(settings: ServerSettings) -> None:
     """stderr at `settings.log_level`, as text or one JSON object per line."""
     handler = logging.StreamHandler(sys.stderr)
@@ -279,9 +295,12 @@ async def run_server(
     engine_config: engine.EngineConfig,
     settings: ServerSettings,
     fleet: remote.RemoteConfig | None = None,
+    *,
+    gc_threshold: int = GEN0_THRESHOLD,
 ) -> None:
     """Serve until the first SIGINT/SIGTERM (graceful), or a second one (immediate); from
-    the workers of `fleet` when given, else from the model `engine_config` names."""
+    the workers of `fleet` when given, else from the model `engine_config` names. Once
+    serving, `settle_heap(gc_threshold)` unless `gc_threshold` is 0."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             stop = trio.Event()
@@ -299,6 +318,7 @@ async def run_server(
             if fleet is not None:
                 async with remote.open_remote_engine(fleet) as front:
                     async with open_http_server(front, settings) as urls:
+                        _settle_heap(gc_threshold)
                         print(
                             f"Tributary serving {front.model_info.name} from "
                             f"{len(fleet.workers)} worker(s), policy {fleet.policy}, at {urls[0]}",
@@ -317,6 +337,7 @@ async def run_server(
                 loaded.set()
                 await released.wait()
                 async with open_http_server(eng, settings) as urls:
+                    _settle_heap(gc_threshold)
                     info = eng.model_info
                     print(
                         f"Tributary serving {eng.config.served_model_name or info.name} "
@@ -349,13 +370,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine_config, settings = configs(args)
         fleet = remote_config(args)
+        if args.gc_threshold < 0:
+            raise ValueError(f"--gc-threshold must be at least 0, got {args.gc_threshold}")
     except (ValueError, OSError) as exc:  # a flag value the engine cannot run with
         print(f"tributary: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings)
     failures: list[BaseException] = []
     try:
-        trio.run(run_server, engine_config, settings, fleet)
+        trio.run(
+            partial(run_server, gc_threshold=args.gc_threshold), engine_config, settings, fleet
+        )
     except* (OSError, ValueError, engine.EngineError) as group:
         # A model that is not there, a context it cannot take, a port in use: say so plainly.
         failures.extend(group.exceptions)

@@ -13,10 +13,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import trio
 from quart import Response
 
-from tributary.engine import Done, EngineService, Error, GenerateRequest, QueueFull, RequestStream
+from tributary.engine import (
+    Done,
+    EngineService,
+    Error,
+    GenerateRequest,
+    Output,
+    QueueFull,
+    RequestStream,
+    collect_redirected,
+)
 
 from .asgi import Owned
 from .errors import abort_status, error_object
@@ -56,6 +64,51 @@ def submit_all(
     return streams
 
 
+class _Answer:
+    """One item's unary answer, built at delivery (`take` runs in the engine's scheduler):
+    the handler wakes once, when every item has ended, not once per token."""
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        timing: RequestTiming,
+        *,
+        weight_version: str,
+        logprobs: LogprobFormat | None,
+        timing_detail: bool,
+    ) -> None:
+        self.acc = OutputAccumulator(
+            stream.rid, stream.prompt_tokens, weight_version=weight_version, logprobs=logprobs
+        )
+        self.timing = timing
+        self.timing_detail = timing_detail
+        self.end: Done | Error | None = None
+
+    def take(self, item: Output) -> bool:
+        if isinstance(item, Done | Error):
+            self.end = item
+        self.timing.observe(item)
+        if not isinstance(item, Error):
+            self.acc.add(item)
+        return False
+
+    def result(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, response object)."""
+        item = self.end
+        if item is None:
+            raise AssertionError("a RequestStream always ends with Done or Error")
+        if isinstance(item, Error):
+            return item.error.http_status, error_object(item.error.message, item.error.http_status)
+        aborted = abort_status(item.finish_reason)
+        if aborted is not None:
+            return aborted[0], error_object(aborted[1], aborted[0])
+        return 200, self.acc.cumulative(
+            finish_reason=item.finish_reason,
+            e2e_latency=self.timing.e2e_latency,
+            timing=self.timing.detail() if self.timing_detail else None,
+        )
+
+
 async def drain_unary(
     stream: RequestStream,
     timing: RequestTiming,
@@ -67,27 +120,14 @@ async def drain_unary(
     """Read one item to its terminal output; return (HTTP status, response object).
     `timing` is this item's (`RequestTiming.for_item`); with `timing_detail` the answer's
     `meta_info` carries the request's phases too."""
-    acc = OutputAccumulator(
-        stream.rid, stream.prompt_tokens, weight_version=weight_version, logprobs=logprobs
+    ((status, obj),) = await _drain(
+        [stream],
+        [timing],
+        weight_version=weight_version,
+        logprobs=[logprobs],
+        timing_detail=timing_detail,
     )
-    async with stream:
-        async for item in stream:
-            timing.observe(item)
-            if isinstance(item, Error):
-                return item.error.http_status, error_object(
-                    item.error.message, item.error.http_status
-                )
-            acc.add(item)
-            if isinstance(item, Done):
-                aborted = abort_status(item.finish_reason)
-                if aborted is not None:
-                    return aborted[0], error_object(aborted[1], aborted[0])
-                return 200, acc.cumulative(
-                    finish_reason=item.finish_reason,
-                    e2e_latency=timing.e2e_latency,
-                    timing=timing.detail() if timing_detail else None,
-                )
-    raise AssertionError("a RequestStream always ends with Done or Error")
+    return status, obj
 
 
 async def drain_batch(
@@ -98,24 +138,37 @@ async def drain_batch(
     logprobs: Sequence[LogprobFormat | None] | None = None,
     timing_detail: bool = False,
 ) -> list[dict[str, Any]]:
-    """Drain every item concurrently (`timings[i]` is item i's); results keep request
-    order, failures are entries."""
-    results: list[dict[str, Any]] = [{} for _ in streams]
+    """Drain every item concurrently (`timings[i]` is item i's, observing it as it is
+    delivered); results keep request order, failures are entries."""
+    results = await _drain(
+        streams,
+        timings,
+        weight_version=weight_version,
+        logprobs=logprobs,
+        timing_detail=timing_detail,
+    )
+    return [obj for _, obj in results]
+
+
+async def _drain(
+    streams: Sequence[RequestStream],
+    timings: Sequence[RequestTiming],
+    *,
+    weight_version: str,
+    logprobs: Sequence[LogprobFormat | None] | None,
+    timing_detail: bool,
+) -> list[tuple[int, dict[str, Any]]]:
     formats = logprobs or [None] * len(streams)
-
-    async def drain_into(i: int) -> None:
-        _, results[i] = await drain_unary(
-            streams[i],
-            timings[i],
-            weight_version=weight_version,
-            logprobs=formats[i],
-            timing_detail=timing_detail,
-        )
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(streams)):
-            nursery.start_soon(drain_into, i)
-    return results
+    answers = [
+        _Answer(s, t, weight_version=weight_version, logprobs=f, timing_detail=timing_detail)
+        for s, t, f in zip(streams, timings, formats, strict=True)
+    ]
+    try:
+        await collect_redirected(streams, lambda i, item: answers[i].take(item))
+    finally:
+        for stream in streams:
+            stream.close()  # aborts what has not ended (a client that left)
+    return [answer.result() for answer in answers]
 
 
 async def handle_generate(

@@ -116,6 +116,7 @@ def serve_tributary(idle: bool) -> None:
         async with tributary.open_engine(config) as eng:
             settings = tributary.ServerSettings(port=0, log_level="warning")
             async with tributary.open_http_server(eng, settings) as urls:
+                tributary.settle_heap()  # as `tributary serve` does once serving
                 print(urls[0], flush=True)
                 await trio.sleep_forever()
 
@@ -130,6 +131,7 @@ def serve_floor(bodies_path: str, idle: bool) -> None:
     from quart_trio import QuartTrio
 
     sys.path.insert(0, str(REPO))
+    from tributary.app.heap import settle_heap
     from tributary.app.server import hypercorn_config
     from tributary.app.settings import ServerSettings
 
@@ -171,6 +173,7 @@ def serve_floor(bodies_path: str, idle: bool) -> None:
     async def root() -> None:
         async with trio.open_nursery() as nursery:
             urls = await nursery.start(partial(serve, app, config))
+            settle_heap()  # the same collector settings as Tributary's server
             print(urls[0], flush=True)
 
     trio.run(root)

@@ -46,6 +46,7 @@ from .request import WorkerStats as WorkerStats
 from .sampling import SamplingParams as SamplingParams
 from .stream import OutputSender as OutputSender
 from .stream import RequestStream as RequestStream
+from .stream import collect_redirected as collect_redirected
 from .stream import open_output_channel as open_output_channel
 
 __version__ = "0.1.0"

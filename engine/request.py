@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar, dataclass_transform
 
 from .errors import EngineError
 from .sampling import SamplingParams
@@ -35,6 +35,17 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_C = TypeVar("_C", bound=type)
+
+
+@dataclass_transform(frozen_default=True)
+def hot_record(cls: _C) -> _C:
+    """A slotted dataclass that type checkers treat as frozen, without `frozen=True`'s cost
+    at run time: a frozen dataclass sets each field through `object.__setattr__`, which
+    triples the cost of building one (0.66 against 0.21 µs for a `Frame`). The engine builds
+    one `Frame` and one `SeqStep` per token, so the items on that path use this."""
+    return dataclasses.dataclass(slots=True)(cls)  # type: ignore[return-value]
+
 
 #: SGLang's finish_reason objects, kept as plain dicts in SGLang's key order.
 FinishReason: TypeAlias = dict[str, Any]
@@ -133,7 +144,7 @@ class Logprobs:
     input_ids: list[TopLogprobs] | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@hot_record
 class Frame:
     """A non-terminal output: the delta since the previous item, and cumulative counts."""
 
@@ -146,7 +157,7 @@ class Frame:
     logprobs: Logprobs | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@hot_record
 class Done:
     """The terminal output: the last delta and SGLang's finish_reason."""
 
@@ -167,7 +178,7 @@ class Done:
     worker_e2e_latency: float | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@hot_record
 class Error:
     """A terminal failure. `error.http_status` says how HTTP should report it."""
 

@@ -15,6 +15,10 @@ without a task per stream: `stream.redirect(sink)` makes the producer call `sink
 moment it produces each item, instead of queueing it for iteration. The producing end is an
 `OutputSender` (`open_output_channel`), whatever produces the items.
 
+A consumer that only wants the end of each stream (a unary answer) uses `collect_redirected`:
+its callback sees every item at delivery and the consumer wakes once, at the end, instead of
+once per token.
+
 A deadline (`set_deadline`) bounds every wait for the next item with a Trio cancel scope: at
 the deadline the request is aborted and the stream ends with a `Done` carrying a 408 abort
 finish_reason, at once, without waiting for the scheduler's next step boundary. A consumer of
@@ -25,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from types import TracebackType
 
 import trio
@@ -33,7 +38,7 @@ import trio
 from .errors import RequestTruncated
 from .request import Done, Error, FinishReason, Frame, Output, abort_reason
 
-__all__ = ["OutputSender", "RequestStream", "open_output_channel"]
+__all__ = ["OutputSender", "RequestStream", "collect_redirected", "open_output_channel"]
 
 LOGGER = logging.getLogger("tributary.engine.stream")
 
@@ -246,3 +251,44 @@ class RequestStream:
         if not self._terminal:
             self._abort()
         self._receiver.close()
+
+
+async def collect_redirected(
+    streams: Sequence[RequestStream], on_item: Callable[[int, Output], bool]
+) -> None:
+    """Redirect every stream to `on_item(index, item)`, called in the producer the moment
+    each item is produced, and return once every stream has delivered its terminal item,
+    or at once when `on_item` returns True (a failure that ends the whole response). The
+    caller wakes once, at the end, not once per item.
+
+    Each stream's deadline bounds the wait as iterating it would: at the earliest one, the
+    streams past their deadline deliver their 408 `Done`. The caller still owns the streams
+    and closes them (which aborts any unfinished request). An exception in `on_item` is
+    logged and the item is lost, but a terminal item still counts as the stream's end.
+    """
+    unfinished = len(streams)
+    done = trio.Event()
+
+    def sink(index: int, item: Output) -> None:
+        nonlocal unfinished
+        try:
+            stop = on_item(index, item)
+        finally:
+            if isinstance(item, Done | Error):
+                unfinished -= 1
+        if stop or unfinished == 0:
+            done.set()
+
+    for index, stream in enumerate(streams):
+        stream.redirect(partial(sink, index))
+    if not streams:
+        return
+    while not done.is_set():
+        deadline = min((s.deadline for s in streams if not s.finished), default=math.inf)
+        if deadline == math.inf:
+            await done.wait()
+            return
+        with trio.move_on_at(deadline):
+            await done.wait()
+        for stream in streams:
+            stream.time_out()  # those past their deadline hand `sink` their 408 Done

@@ -21,6 +21,7 @@ from tributary.app import ServerSettings as ServerSettings
 from tributary.app import create_app as create_app
 from tributary.app import open_http_server as open_http_server
 from tributary.app import serve as serve
+from tributary.app import settle_heap as settle_heap
 from tributary.engine import BadRequest as BadRequest
 from tributary.engine import ContextLengthExceeded as ContextLengthExceeded
 from tributary.engine import Done as Done

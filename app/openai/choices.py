@@ -19,8 +19,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import trio
-
 from tributary.engine import (
     Done,
     EngineError,
@@ -29,6 +27,7 @@ from tributary.engine import (
     Logprobs,
     Output,
     RequestStream,
+    collect_redirected,
 )
 
 from ..errors import abort_status
@@ -102,21 +101,20 @@ async def collect(
     choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
     failures: list[EngineError | None] = [None] * len(streams)
 
-    async def drain(i: int, cancel_scope: trio.CancelScope) -> None:
-        timing = timings[i] if timings is not None else None
-        async with streams[i] as stream:
-            async for item in stream:
-                if timing is not None:
-                    timing.observe(item)
-                failure = choices[i].add(item)
-                if failure is not None:
-                    failures[i] = failure
-                    cancel_scope.cancel()
-                    return
+    def take(i: int, item: Output) -> bool:  # in the engine's scheduler, at delivery
+        if timings is not None:
+            timings[i].observe(item)
+        failure = choices[i].add(item)
+        if failure is not None:
+            failures[i] = failure
+            return True  # one choice's failure fails the response: stop waiting
+        return False
 
-    async with trio.open_nursery() as nursery:
-        for i in range(len(streams)):
-            nursery.start_soon(drain, i, nursery.cancel_scope)
+    try:
+        await collect_redirected(streams, take)
+    finally:
+        for stream in streams:
+            stream.close()  # aborts the choices still running (a failure, a client gone)
     for failure in failures:
         if failure is not None:
             raise failure

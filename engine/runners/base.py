@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..grammar import Grammars
 from ..logits import LogitHooks
-from ..request import ModelInfo
+from ..request import ModelInfo, hot_record
 from ..sampling import SamplingParams
 
 __all__ = ["KVRestore", "KVSave", "KVState", "Runner", "SeqStep", "reuses_kv"]
@@ -52,7 +52,7 @@ class KVSave:
     state: KVState | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@hot_record
 class SeqStep:
     """One sequence's share of a step."""
 

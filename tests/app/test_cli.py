@@ -4,11 +4,13 @@ in-flight request finish."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +18,8 @@ import httpx
 import pytest
 import trio
 
-from tributary.app.cli import build_parser, configs
+from tributary.app.cli import build_parser, configs, main
+from tributary.app.heap import GEN0_THRESHOLD, settle_heap
 
 STARTUP = re.compile(r"Tributary serving (\S+) .*context length (\d+).* at (http://\S+)")
 
@@ -132,6 +135,31 @@ def test_defaults_match_sglang() -> None:
     assert not settings.incremental_streaming_output
 
 
+def sim_server(*flags: str) -> partial[Awaitable[trio.Process]]:
+    """For `nursery.start`: `tributary serve` on the sim runner and a free port, with `flags`;
+    stdout and stderr piped."""
+    command = [sys.executable, "-m", "tributary", "serve", "--runner", "sim", "--port", "0"]
+    return partial(
+        trio.run_process,
+        [*command, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        check=False,
+    )
+
+
+async def stop_and_read_stderr(proc: trio.Process) -> str:
+    """SIGINT, then everything the server wrote to stderr until it exited."""
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr is not None
+    err = b""
+    with trio.fail_after(15):
+        async for chunk in proc.stderr:
+            err += chunk
+        await proc.wait()
+    return err.decode()
+
+
 def test_operations_doc_lists_every_flag_with_its_default() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
     rows = dict(re.findall(r"^\| `(--[a-z-]+)[^`]*`[^|]*\| ([^|]+) \|", doc, re.M))
@@ -161,19 +189,9 @@ def test_observability_flags() -> None:
 
 
 async def test_json_access_log_on_stderr_without_the_prompt() -> None:
-    command = [
-        sys.executable, "-m", "tributary", "serve", "--runner", "sim", "--port", "0",
-        "--log-format", "json", "--enable-request-timing",
-    ]  # fmt: skip
     async with trio.open_nursery() as nursery:
         proc: trio.Process = await nursery.start(
-            partial(
-                trio.run_process,
-                command,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                check=False,
-            )
+            sim_server("--log-format", "json", "--enable-request-timing")
         )
         url = await startup_url(proc)
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -181,18 +199,12 @@ async def test_json_access_log_on_stderr_without_the_prompt() -> None:
             meta = (await client.post("/generate", json=body)).json()["meta_info"]
             assert meta["queue_time"] <= meta["time_to_first_token"] <= meta["e2e_latency"]
             assert (await client.get("/metrics")).status_code == 200
-        proc.send_signal(signal.SIGINT)
-        assert proc.stderr is not None
-        err = b""
-        with trio.fail_after(15):
-            async for chunk in proc.stderr:
-                err += chunk
-            await proc.wait()
-    records = [json.loads(line) for line in err.decode().splitlines()]  # every line is JSON
+        err = await stop_and_read_stderr(proc)
+    records = [json.loads(line) for line in err.splitlines()]  # every line is JSON
     [access] = [r for r in records if r["logger"] == "tributary.access"]
     assert access["rid"] == "cli-1" and access["status"] == 200 and access["completion_tokens"] == 2
     assert access["e2e_latency"] == meta["e2e_latency"]
-    assert "my secret" not in err.decode()
+    assert "my secret" not in err
 
 
 def test_kv_flags_map_to_engine_config() -> None:
@@ -220,3 +232,35 @@ def test_prefill_flags_map_to_engine_config() -> None:
     too_small = build_parser().parse_args(["serve", "--max-prefill-tokens", "100"])
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         configs(too_small)
+
+
+def test_settle_heap_freezes_the_start_up_heap_and_raises_the_young_threshold() -> None:
+    before, frozen_before = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        frozen = settle_heap(5000)
+        assert frozen == gc.get_freeze_count() > frozen_before + 1000  # modules, functions, ...
+        assert gc.get_threshold() == (5000, *before[1:])
+        assert gc.isenabled()  # cycles are still collected
+        with pytest.raises(ValueError, match="at least 1"):
+            settle_heap(0)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+async def test_serve_settles_the_heap_once_serving_unless_told_not_to() -> None:
+    async def log_of(*flags: str) -> str:
+        async with trio.open_nursery() as nursery:
+            proc: trio.Process = await nursery.start(sim_server("--log-level", "info", *flags))
+            await startup_url(proc)
+            return await stop_and_read_stderr(proc)
+
+    settled = re.search(r"froze (\d+) start-up objects; gc threshold (\d+)", await log_of())
+    assert settled, "no heap settling logged"
+    assert int(settled[1]) > 1000 and int(settled[2]) == GEN0_THRESHOLD
+    assert "froze" not in await log_of("--gc-threshold", "0")
+
+
+def test_a_negative_gc_threshold_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--runner", "sim", "--gc-threshold", "-1"]) == 2
+    assert "--gc-threshold must be at least 0, got -1" in capsys.readouterr().err

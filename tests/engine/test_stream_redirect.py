@@ -130,3 +130,93 @@ async def test_a_sink_that_raises_does_not_kill_the_scheduler(
     await testing.wait_engine_idle(tributary_engine)
     after = [item async for item in tributary_engine.submit(request("after", 3))]
     assert isinstance(after[-1], Done)
+
+
+class _Schedulings(trio.abc.Instrument):
+    """How often one task was scheduled to run (woken) while installed."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.count = 0
+
+    def task_scheduled(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.count += 1
+
+
+async def test_collect_redirected_wakes_its_caller_once_not_once_per_token(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    """A unary answer of 40 tokens: the callback sees every item at its step's end, and the
+    task waiting for the answer is woken once, when the last one arrives."""
+    start = trio.current_time()
+    seen: list[tuple[float, engine.Output]] = []
+    stream = tributary_engine.submit(request("hello", max_new_tokens=40))
+    counter = _Schedulings(trio.lowlevel.current_task())
+    trio.lowlevel.add_instrument(counter)
+    try:
+        await engine.collect_redirected(
+            [stream], lambda _i, item: seen.append((trio.current_time() - start, item)) or False
+        )
+    finally:
+        trio.lowlevel.remove_instrument(counter)
+    stream.close()
+    assert [type(i) for _, i in seen] == [Frame] * 39 + [Done]
+    assert seen[-1][1].completion_tokens == 40
+    first = step_cost(prefill=5)
+    assert seen[1][0] == pytest.approx(first + step_cost(1))  # at delivery, not at the end
+    assert counter.count == 1
+    testing.assert_engine_idle(tributary_engine)
+
+
+async def test_collect_redirected_keeps_each_streams_items_apart_and_ends_with_the_last(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    streams = [tributary_engine.submit(request(t, n)) for t, n in (("a", 3), ("bb", 7), ("c", 1))]
+    seen: dict[int, list[engine.Output]] = {0: [], 1: [], 2: []}
+    await engine.collect_redirected(streams, lambda i, item: seen[i].append(item) or False)
+    assert [len(v) for v in seen.values()] == [3, 7, 1]
+    assert all(isinstance(v[-1], Done) for v in seen.values())
+    assert [v[-1].completion_tokens for v in seen.values()] == [3, 7, 1]
+    for s in streams:
+        s.close()
+    testing.assert_engine_idle(tributary_engine)
+
+
+async def test_collect_redirected_stops_when_the_callback_says_so(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    """One choice's failure fails a /v1 response: the wait ends there, and closing the
+    streams aborts the others at the next step boundary."""
+    short = tributary_engine.submit(request("a", 2))
+    long = tributary_engine.submit(request("b", 1000))
+    await engine.collect_redirected(
+        [short, long], lambda i, item: i == 0 and isinstance(item, Done)
+    )
+    assert short.finished and not long.finished
+    short.close()
+    long.close()
+    await testing.wait_engine_idle(tributary_engine, timeout=step_cost(1) * 2)
+
+
+async def test_collect_redirected_ends_a_stream_at_its_deadline_with_a_408(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    quick = tributary_engine.submit(request("a", 3))
+    slow = tributary_engine.submit(request("b", 1000))
+    deadline = trio.current_time() + 0.5
+    slow.set_deadline(deadline)
+    last: dict[int, engine.Output] = {}
+
+    def keep(i: int, item: engine.Output) -> bool:
+        last[i] = item
+        return False
+
+    await engine.collect_redirected([quick, slow], keep)
+    assert trio.current_time() == pytest.approx(deadline)
+    assert isinstance(last[0], Done) and last[0].finish_reason["type"] == "length"
+    assert isinstance(last[1], Done) and last[1].finish_reason["status_code"] == 408
+    assert last[1].completion_tokens > 0  # the counts so far
+    quick.close()
+    slow.close()
+    await testing.wait_engine_idle(tributary_engine, timeout=step_cost(1) * 2)
