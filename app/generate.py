@@ -3,9 +3,12 @@ or an SSE stream.
 
 Ownership: `submit_all` returns streams the caller must close; `handle_generate` hands them to
 `cleanup` (closed when the HTTP exchange ends, however it ends) before anything can be
-cancelled, and every drain also holds its stream in `async with`. A client that disconnects
-cancels the handler (or the stream body); leaving those blocks aborts every item at once,
+cancelled, and every drain also closes its streams when it ends, however it ends. A client
+that disconnects cancels the handler (or the stream body), which aborts every item at once,
 synchronously. Nothing polls for disconnects.
+
+A unary answer (one item or a batch) is built as the engine delivers each item
+(`engine.collect_redirected`), so the handler wakes once, at the end, not once per token.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 from quart import Response
 
 from tributary.engine import (
+    TERMINAL,
     Done,
     EngineService,
     Error,
@@ -85,7 +89,7 @@ class _Answer:
         self.end: Done | Error | None = None
 
     def take(self, item: Output) -> bool:
-        if isinstance(item, Done | Error):
+        if isinstance(item, TERMINAL):
             self.end = item
         self.timing.observe(item)
         if not isinstance(item, Error):

@@ -34,7 +34,7 @@ import trio
 from quart import Response
 from quart.wrappers.response import ResponseBody
 
-from tributary.engine import Done, Error, Output, RequestStream
+from tributary.engine import TERMINAL, Output, RequestStream
 
 __all__ = ["MultiplexedBody", "sse_response"]
 
@@ -103,7 +103,7 @@ class MultiplexedBody(ResponseBody):
             self._send.send_nowait((index, item))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the body was left; close() has aborted what was unfinished
-        if isinstance(item, Done | Error):
+        if isinstance(item, TERMINAL):
             self._unfinished -= 1
             if self._unfinished == 0:
                 self._send.close()

@@ -30,6 +30,7 @@ from .errors import RunnerFailure as RunnerFailure
 from .errors import WorkerFailure as WorkerFailure
 from .interface import EngineService as EngineService
 from .request import HEALTH_CHECK_PREFIX as HEALTH_CHECK_PREFIX
+from .request import TERMINAL as TERMINAL
 from .request import Done as Done
 from .request import EngineStats as EngineStats
 from .request import Error as Error

@@ -102,6 +102,8 @@ class IncrementalDetokenizer:
             return None
         if not check_stops:
             self._checked_from = len(self.text)
+        elif not self._stops and not self._regexes:
+            return None
         best: tuple[int, int, str] | None = None  # (start, end, what matched)
         if check_stops:
             for stop in self._stops:
@@ -141,8 +143,10 @@ class IncrementalDetokenizer:
             if not self.stopped:
                 self.text += self._decoder.decode(b"", final=True)
             end = len(self.text)
-        else:
+        elif self._max_stop or self._regexes:
             end = min([len(self.text) - self._held_back(), *self._regex_from])
+        else:  # nothing can be held back (a request without stops: most of them)
+            end = len(self.text)
         delta = self.text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         return delta

@@ -16,6 +16,7 @@ from .errors import EngineError
 from .sampling import SamplingParams
 
 __all__ = [
+    "TERMINAL",
     "Done",
     "EngineStats",
     "Error",
@@ -44,7 +45,8 @@ def hot_record(cls: _C) -> _C:
     at run time: a frozen dataclass sets each field through `object.__setattr__`, which
     triples the cost of building one (0.66 against 0.21 µs for a `Frame`). The engine builds
     one `Frame` and one `SeqStep` per token, so the items on that path use this."""
-    return dataclasses.dataclass(slots=True)(cls)  # type: ignore[return-value]
+    # unsafe_hash: the field-wise __hash__ a frozen dataclass gets, which type checkers expect.
+    return dataclasses.dataclass(slots=True, unsafe_hash=True)(cls)  # type: ignore[return-value]
 
 
 #: SGLang's finish_reason objects, kept as plain dicts in SGLang's key order.
@@ -187,6 +189,10 @@ class Error:
 
 
 Output: TypeAlias = Frame | Done | Error
+
+#: For `isinstance(item, TERMINAL)`: the item that ends a request's output (a tuple is three
+#: times faster to test than `Done | Error`, and the test runs for every token).
+TERMINAL = (Done, Error)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

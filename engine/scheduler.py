@@ -114,10 +114,21 @@ class Sequence:
         )
 
     def emit_frame(self) -> None:
-        text = self.detok.take_delta(final=False)
-        ids = self.output_ids[self.emitted_ids :]
-        self.emitted_ids = len(self.output_ids)
-        self.send(Frame(self.rid, text, ids, *self._counts(), logprobs=self._logprobs()))
+        # Once per token of every running request: kept to the plain attribute reads.
+        output_ids = self.output_ids
+        ids = output_ids[self.emitted_ids :]
+        self.emitted_ids = n = len(output_ids)
+        self.sender.send(
+            Frame(
+                self.rid,
+                self.detok.take_delta(final=False),
+                ids,
+                len(self.prompt_ids),
+                n,
+                self.cached_tokens,
+                None if self.hooks is None else self._logprobs(),
+            )
+        )
 
     def emit_done(self, reason: FinishReason) -> None:
         text = self.detok.take_delta(final=True)
@@ -151,6 +162,8 @@ class Sequence:
     def _counts(self) -> tuple[int, int, int]:
         return len(self.prompt_ids), len(self.output_ids), self.cached_tokens
 
+
+_NOTHING: frozenset[int] = frozenset()
 
 #: Steps over which `Scheduler.step_times` remembers how long a step takes: enough to
 #: include the last long prefill chunk of a busy engine, short enough to forget a past burst.
@@ -355,12 +368,10 @@ class Scheduler:
                 continue  # planned with its leader's last chunk
             prompt_len = len(seq.prompt_ids)
             if seq.prefilled == prompt_len:  # decoding
-                pos = prompt_len + len(seq.output_ids) - 1
-                plan.append(
-                    SeqStep(
-                        seq.slot, [seq.output_ids[-1]], pos, True, self._suppress(seq), seq.hooks
-                    )
-                )
+                output_ids = seq.output_ids
+                pos = prompt_len + len(output_ids) - 1
+                suppress = self._suppress(seq)
+                plan.append(SeqStep(seq.slot, [output_ids[-1]], pos, True, suppress, seq.hooks))
                 sampling.append(seq)
                 stepped.append(seq)
                 continue
@@ -585,7 +596,7 @@ class Scheduler:
         min-new-tokens penalizer does)."""
         params = seq.params
         if params.ignore_eos or len(seq.output_ids) >= params.min_new_tokens:
-            return frozenset()
+            return _NOTHING
         return self._eos | params.stop_token_ids
 
     def all_sequences(self) -> Iterator[Sequence]:

@@ -36,7 +36,7 @@ from types import TracebackType
 import trio
 
 from .errors import RequestTruncated
-from .request import Done, Error, FinishReason, Frame, Output, abort_reason
+from .request import TERMINAL, Done, Error, FinishReason, Frame, Output, abort_reason
 
 __all__ = ["OutputSender", "RequestStream", "collect_redirected", "open_output_channel"]
 
@@ -56,7 +56,7 @@ class OutputSender:
         self._closed = False
 
     def send(self, item: Output) -> None:
-        if isinstance(item, Done | Error):
+        if isinstance(item, TERMINAL):
             self._terminal = True
         if self._sink is not None:
             self._call_sink(item)
@@ -160,7 +160,7 @@ class RequestStream:
             # Only an engine bug closes a channel without a terminal item; say so rather than
             # pretend the request ended normally.
             item = Error(self.rid, RequestTruncated())
-        if isinstance(item, Done | Error):
+        if isinstance(item, TERMINAL):
             self._terminal = True
         else:
             self._last = item
@@ -228,7 +228,7 @@ class RequestStream:
                 self._terminal = True
                 sink(self._timeout_done())
                 return
-            if isinstance(item, Done | Error):
+            if isinstance(item, TERMINAL):
                 self._terminal = True
             else:
                 self._last = item
@@ -263,32 +263,40 @@ async def collect_redirected(
 
     Each stream's deadline bounds the wait as iterating it would: at the earliest one, the
     streams past their deadline deliver their 408 `Done`. The caller still owns the streams
-    and closes them (which aborts any unfinished request). An exception in `on_item` is
-    logged and the item is lost, but a terminal item still counts as the stream's end.
+    and closes them (which aborts any unfinished request).
+
+    If `on_item` raises, nothing more reaches it and the exception is raised here, in the
+    caller, as iterating and handling the items in the caller would have raised it; it
+    never reaches the producer.
     """
     unfinished = len(streams)
     done = trio.Event()
+    failure: list[BaseException] = []
 
     def sink(index: int, item: Output) -> None:
         nonlocal unfinished
+        if failure:
+            return
+        if isinstance(item, TERMINAL):
+            unfinished -= 1
         try:
             stop = on_item(index, item)
-        finally:
-            if isinstance(item, Done | Error):
-                unfinished -= 1
+        except Exception as exc:
+            failure.append(exc)
+            stop = True
         if stop or unfinished == 0:
             done.set()
 
     for index, stream in enumerate(streams):
         stream.redirect(partial(sink, index))
-    if not streams:
-        return
-    while not done.is_set():
+    while not done.is_set() and streams:
         deadline = min((s.deadline for s in streams if not s.finished), default=math.inf)
         if deadline == math.inf:
             await done.wait()
-            return
+            break
         with trio.move_on_at(deadline):
             await done.wait()
         for stream in streams:
             stream.time_out()  # those past their deadline hand `sink` their 408 Done
+    if failure:
+        raise failure[0]

@@ -220,3 +220,27 @@ async def test_collect_redirected_ends_a_stream_at_its_deadline_with_a_408(
     quick.close()
     slow.close()
     await testing.wait_engine_idle(tributary_engine, timeout=step_cost(1) * 2)
+
+
+@pytest.mark.parametrize("fails_on", [Frame, Done])
+async def test_collect_redirected_raises_a_callbacks_failure_in_its_caller(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock, fails_on: type
+) -> None:
+    """The callback runs in the scheduler, but its failure is the caller's: it ends the wait
+    at once (no hang), nothing more reaches the callback, and the scheduler carries on."""
+    seen: list[engine.Output] = []
+
+    def on_item(_index: int, item: engine.Output) -> bool:
+        seen.append(item)
+        if isinstance(item, fails_on):
+            raise RuntimeError("a bug in the consumer")
+        return False
+
+    stream = tributary_engine.submit(request("abc", 5))
+    with trio.fail_after(10), pytest.raises(RuntimeError, match="a bug in the consumer"):
+        await engine.collect_redirected([stream], on_item)
+    assert isinstance(seen[-1], fails_on) and len(seen) == (1 if fails_on is Frame else 5)
+    stream.close()  # aborts it if it had not ended
+    await testing.wait_engine_idle(tributary_engine, timeout=step_cost(1) * 2)
+    after = [item async for item in tributary_engine.submit(request("after", 3))]
+    assert isinstance(after[-1], Done)

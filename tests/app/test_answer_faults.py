@@ -1,0 +1,62 @@
+"""A unary answer is built in the engine's scheduler as each item arrives
+(`engine.collect_redirected`); a bug while building it must still give the client a 500,
+never a hang and never a 200 with tokens missing, and must abort what still runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from apphelpers import greedy
+
+from tributary import engine, testing
+from tributary.app import output as app_output
+from tributary.app.openai import choices
+from tributary.engine import Done, Frame
+
+
+@pytest.mark.parametrize("fails_on", [Frame, Done])
+async def test_generate_whose_answer_fails_to_build_answers_500(
+    tributary_client: testing.AppClient,
+    tributary_engine: engine.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock,
+    fails_on: type,
+) -> None:
+    add = app_output.OutputAccumulator.add
+
+    def failing_add(self: Any, item: Any) -> None:
+        if isinstance(item, fails_on):
+            raise RuntimeError("formatting bug")
+        add(self, item)
+
+    monkeypatch.setattr(app_output.OutputAccumulator, "add", failing_add)
+    with trio.fail_after(60):
+        response = await tributary_client.post(
+            "/generate", json={"text": "hi", "sampling_params": greedy(40)}
+        )
+    assert response.status == 500
+    await testing.wait_engine_idle(tributary_engine, timeout=1)  # the 40 tokens were aborted
+    assert tributary_engine.stats().generated_tokens < 40 or fails_on is Done
+
+
+async def test_a_v1_completion_whose_choice_fails_to_build_answers_500(
+    tributary_client: testing.AppClient,
+    tributary_engine: engine.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    add = choices.Choice.add
+
+    def failing_add(self: Any, item: Any) -> Any:
+        if isinstance(item, Done):
+            raise RuntimeError("bug")
+        return add(self, item)
+
+    monkeypatch.setattr(choices.Choice, "add", failing_add)
+    body = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "n": 2}
+    with trio.fail_after(60):
+        response = await tributary_client.post("/v1/completions", json=body)
+    assert response.status == 500
+    await testing.wait_engine_idle(tributary_engine, timeout=1)
