@@ -176,7 +176,7 @@ def normalize_generate(
 
     items = []
     for p in range(size):
-        sampling = dataclasses.replace(params[p], n=1)
+        sampling = params[p] if params[p].n == 1 else dataclasses.replace(params[p], n=1)
         for s in range(n):
             items.append(
                 GenerateRequest(
