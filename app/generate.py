@@ -7,8 +7,9 @@ cancelled, and every drain also closes its streams when it ends, however it ends
 that disconnects cancels the handler (or the stream body), which aborts every item at once,
 synchronously. Nothing polls for disconnects.
 
-A unary answer (one item or a batch) is built as the engine delivers each item
-(`engine.collect_redirected`), so the handler wakes once, at the end, not once per token.
+A unary answer is built as the engine delivers each item (`engine.collect_redirected`), so
+its task wakes once, at the end, not once per token. A batch is a nursery with one such
+drain task per item, its results collected by index.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import trio
 from quart import Response
 
 from tributary.engine import (
@@ -70,7 +72,7 @@ def submit_all(
 
 class _Answer:
     """One item's unary answer, built at delivery (`take` runs in the engine's scheduler):
-    the handler wakes once, when every item has ended, not once per token."""
+    its drain task wakes once, when the item has ended, not once per token."""
 
     def __init__(
         self,
@@ -123,15 +125,20 @@ async def drain_unary(
 ) -> tuple[int, dict[str, Any]]:
     """Read one item to its terminal output; return (HTTP status, response object).
     `timing` is this item's (`RequestTiming.for_item`); with `timing_detail` the answer's
-    `meta_info` carries the request's phases too."""
-    ((status, obj),) = await _drain(
-        [stream],
-        [timing],
+    `meta_info` carries the request's phases too. The answer is built as the engine
+    delivers each item, and this task wakes once, when the item has ended."""
+    answer = _Answer(
+        stream,
+        timing,
         weight_version=weight_version,
-        logprobs=[logprobs],
+        logprobs=logprobs,
         timing_detail=timing_detail,
     )
-    return status, obj
+    try:
+        await collect_redirected([stream], lambda _index, item: answer.take(item))
+    finally:
+        stream.close()  # aborts it unless it has ended (a client that left)
+    return answer.result()
 
 
 async def drain_batch(
@@ -142,37 +149,25 @@ async def drain_batch(
     logprobs: Sequence[LogprobFormat | None] | None = None,
     timing_detail: bool = False,
 ) -> list[dict[str, Any]]:
-    """Drain every item concurrently (`timings[i]` is item i's, observing it as it is
-    delivered); results keep request order, failures are entries."""
-    results = await _drain(
-        streams,
-        timings,
-        weight_version=weight_version,
-        logprobs=logprobs,
-        timing_detail=timing_detail,
-    )
-    return [obj for _, obj in results]
-
-
-async def _drain(
-    streams: Sequence[RequestStream],
-    timings: Sequence[RequestTiming],
-    *,
-    weight_version: str,
-    logprobs: Sequence[LogprobFormat | None] | None,
-    timing_detail: bool,
-) -> list[tuple[int, dict[str, Any]]]:
+    """Drain every item concurrently, each in its own task (`timings[i]` is item i's, and
+    sees its terminal output the moment it arrives); results keep request order, failures
+    are entries."""
+    results: list[dict[str, Any]] = [{} for _ in streams]
     formats = logprobs or [None] * len(streams)
-    answers = [
-        _Answer(s, t, weight_version=weight_version, logprobs=f, timing_detail=timing_detail)
-        for s, t, f in zip(streams, timings, formats, strict=True)
-    ]
-    try:
-        await collect_redirected(streams, lambda i, item: answers[i].take(item))
-    finally:
-        for stream in streams:
-            stream.close()  # aborts what has not ended (a client that left)
-    return [answer.result() for answer in answers]
+
+    async def drain_into(i: int) -> None:
+        _, results[i] = await drain_unary(
+            streams[i],
+            timings[i],
+            weight_version=weight_version,
+            logprobs=formats[i],
+            timing_detail=timing_detail,
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(streams)):
+            nursery.start_soon(drain_into, i)
+    return results
 
 
 async def handle_generate(

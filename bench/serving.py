@@ -135,6 +135,12 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
             "/health",
             backends=("openai", "generate"),
         ),
+        "tributary-gc-off": ServerSpec(
+            "tributary --gc-threshold 0",
+            [*tributary, "--gc-threshold", "0"],
+            "/health",
+            backends=("openai", "generate"),
+        ),
         "tributary-prefill-2048": ServerSpec(
             "tributary --max-prefill-tokens 2048",
             [*tributary, "--max-prefill-tokens", "2048"],

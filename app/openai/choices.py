@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import trio
+
 from tributary.engine import (
     Done,
     EngineError,
@@ -101,20 +103,25 @@ async def collect(
     choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
     failures: list[EngineError | None] = [None] * len(streams)
 
-    def take(i: int, item: Output) -> bool:  # in the engine's scheduler, at delivery
-        if timings is not None:
-            timings[i].observe(item)
-        failure = choices[i].add(item)
-        if failure is not None:
-            failures[i] = failure
-            return True  # one choice's failure fails the response: stop waiting
-        return False
+    async def drain(i: int, cancel_scope: trio.CancelScope) -> None:
+        timing = timings[i] if timings is not None else None
 
-    try:
-        await collect_redirected(streams, take)
-    finally:
-        for stream in streams:
-            stream.close()  # aborts the choices still running (a failure, a client gone)
+        def take(_index: int, item: Output) -> bool:  # in the scheduler, at delivery
+            if timing is not None:
+                timing.observe(item)
+            failures[i] = choices[i].add(item)
+            return failures[i] is not None
+
+        try:
+            await collect_redirected([streams[i]], take)
+        finally:
+            streams[i].close()  # aborts it unless it has ended
+        if failures[i] is not None:
+            cancel_scope.cancel()  # one choice's failure fails the response: stop the others
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(streams)):
+            nursery.start_soon(drain, i, nursery.cancel_scope)
     for failure in failures:
         if failure is not None:
             raise failure
