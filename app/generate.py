@@ -93,9 +93,9 @@ class _Answer:
     def take(self, item: Output) -> bool:
         if isinstance(item, TERMINAL):
             self.end = item
-        self.timing.observe(item)
         if not isinstance(item, Error):
             self.acc.add(item)
+        self.timing.observe(item)
         return False
 
     def result(self) -> tuple[int, dict[str, Any]]:
@@ -122,11 +122,13 @@ async def drain_unary(
     weight_version: str,
     logprobs: LogprobFormat | None = None,
     timing_detail: bool = False,
+    count: bool = True,
 ) -> tuple[int, dict[str, Any]]:
     """Read one item to its terminal output; return (HTTP status, response object).
     `timing` is this item's (`RequestTiming.for_item`); with `timing_detail` the answer's
     `meta_info` carries the request's phases too. The answer is built as the engine
-    delivers each item, and this task wakes once, when the item has ended."""
+    delivers each item, and this task wakes once, when the item has ended. With `count`, a
+    200 answer is counted in /metrics (`RequestTiming.count_answer`) once it is built."""
     answer = _Answer(
         stream,
         timing,
@@ -138,7 +140,10 @@ async def drain_unary(
         await collect_redirected([stream], lambda _index, item: answer.take(item))
     finally:
         stream.close()  # aborts it unless it has ended (a client that left)
-    return answer.result()
+    status, obj = answer.result()
+    if status == 200 and count:
+        timing.count_answer()  # in /metrics: only an answer the client gets
+    return status, obj
 
 
 async def drain_batch(
@@ -153,20 +158,25 @@ async def drain_batch(
     sees its terminal output the moment it arrives); results keep request order, failures
     are entries."""
     results: list[dict[str, Any]] = [{} for _ in streams]
+    statuses = [0] * len(streams)
     formats = logprobs or [None] * len(streams)
 
     async def drain_into(i: int) -> None:
-        _, results[i] = await drain_unary(
+        statuses[i], results[i] = await drain_unary(
             streams[i],
             timings[i],
             weight_version=weight_version,
             logprobs=formats[i],
             timing_detail=timing_detail,
+            count=False,
         )
 
     async with trio.open_nursery() as nursery:
         for i in range(len(streams)):
             nursery.start_soon(drain_into, i)
+    for status, timing in zip(statuses, timings, strict=True):
+        if status == 200:
+            timing.count_answer()  # the whole array was built: its answers reach the client
     return results
 
 
@@ -206,7 +216,12 @@ async def handle_generate(
             timing_detail=detail,
         )
     cleanup.extend(streams)
-    timings = [timing.for_item(s, item) for s, item in zip(streams, req.items, strict=True)]
+    # A streamed item is an answer once its terminal frame is out; a unary one only once the
+    # whole response has been built without failing (the drains count it then).
+    timings = [
+        timing.for_item(s, item, count_on_done=req.stream)
+        for s, item in zip(streams, req.items, strict=True)
+    ]
     formats = logprob_formats(engine, req.items, with_text=req.text_in_logprobs)
     if req.stream:
         return event_stream_response(

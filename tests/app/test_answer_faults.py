@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 import trio
 from apphelpers import greedy
+from test_metrics import delta, scrape
 
-from tributary import engine, testing
+from tributary import app, engine, testing
 from tributary.app import output as app_output
 from tributary.app.openai import choices
 from tributary.engine import Done, Frame
+from tributary.testing import AppClient
 
 
 @pytest.mark.parametrize("fails_on", [Frame, Done])
@@ -60,3 +62,28 @@ async def test_a_v1_completion_whose_choice_fails_to_build_answers_500(
         response = await tributary_client.post("/v1/completions", json=body)
     assert response.status == 500
     await testing.wait_engine_idle(tributary_engine, timeout=1)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+async def test_a_generate_500_from_an_answer_that_failed_to_build_is_not_counted_as_answered(
+    tributary_engine: engine.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock,
+    batch: bool,
+) -> None:
+    client = AppClient(app.create_app(tributary_engine))
+    add = app_output.OutputAccumulator.add
+
+    def failing_add(self: Any, item: Any) -> None:
+        if isinstance(item, Done):
+            raise RuntimeError("formatting bug")
+        add(self, item)
+
+    monkeypatch.setattr(app_output.OutputAccumulator, "add", failing_add)
+    before = await scrape(client)
+    text: Any = ["hi", "hello"] if batch else "hi"
+    reply = await client.post("/generate", json={"text": text, "sampling_params": greedy(4)})
+    assert reply.status == 500
+    after = await scrape(client)
+    assert delta(after, before, "sglang:num_requests_total") == 0
+    assert delta(after, before, "sglang:generation_tokens_total") == 0
