@@ -18,6 +18,18 @@ from tributary.engine import Done, Frame
 from tributary.testing import AppClient
 
 
+def break_the_answer_on(kind: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make building a /generate answer raise when it adds an item of `kind`."""
+    add = app_output.OutputAccumulator.add
+
+    def failing_add(self: Any, item: Any) -> None:
+        if isinstance(item, kind):
+            raise RuntimeError("formatting bug")
+        add(self, item)
+
+    monkeypatch.setattr(app_output.OutputAccumulator, "add", failing_add)
+
+
 @pytest.mark.parametrize("fails_on", [Frame, Done])
 async def test_generate_whose_answer_fails_to_build_answers_500(
     tributary_client: testing.AppClient,
@@ -26,14 +38,7 @@ async def test_generate_whose_answer_fails_to_build_answers_500(
     autojump_clock: trio.abc.Clock,
     fails_on: type,
 ) -> None:
-    add = app_output.OutputAccumulator.add
-
-    def failing_add(self: Any, item: Any) -> None:
-        if isinstance(item, fails_on):
-            raise RuntimeError("formatting bug")
-        add(self, item)
-
-    monkeypatch.setattr(app_output.OutputAccumulator, "add", failing_add)
+    break_the_answer_on(fails_on, monkeypatch)
     with trio.fail_after(60):
         response = await tributary_client.post(
             "/generate", json={"text": "hi", "sampling_params": greedy(40)}
@@ -72,14 +77,7 @@ async def test_a_generate_500_from_an_answer_that_failed_to_build_is_not_counted
     batch: bool,
 ) -> None:
     client = AppClient(app.create_app(tributary_engine))
-    add = app_output.OutputAccumulator.add
-
-    def failing_add(self: Any, item: Any) -> None:
-        if isinstance(item, Done):
-            raise RuntimeError("formatting bug")
-        add(self, item)
-
-    monkeypatch.setattr(app_output.OutputAccumulator, "add", failing_add)
+    break_the_answer_on(Done, monkeypatch)
     before = await scrape(client)
     text: Any = ["hi", "hello"] if batch else "hi"
     reply = await client.post("/generate", json={"text": text, "sampling_params": greedy(4)})
