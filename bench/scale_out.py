@@ -50,6 +50,7 @@ from serving import (
     free_port,
     loadavg,
     machine_info,
+    model_path,
 )
 
 SEED = 13
@@ -212,18 +213,13 @@ def llama_setup() -> tuple[Path, Path] | None:
     found = [b for root in roots for b in sorted(root.glob("llama-server-*/llama-server"))]
     if not found:
         return None
-    model = subprocess.run(
-        [
-            str(VENV_BIN / "python"),
-            "-c",
-            "from tributary.engine.runners.llama import default_model_path as d; print(d())",
-        ],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    if not model or not Path(model).exists():
+    try:
+        model = model_path()
+    except subprocess.CalledProcessError:
         return None
-    return found[-1], Path(model)
+    if not model.exists():
+        return None
+    return found[-1], model
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
