@@ -100,6 +100,40 @@ async def test_greedy_is_batch_invariant(eng: engine.Engine) -> None:
     assert len({tuple(ids) for _, ids, _ in batched[:6]}) == 6
 
 
+async def test_prompt_chunks_of_one_length_share_a_graph_and_keep_their_output(
+    eng: engine.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of prompts of the same length is prefilled in one llama_decode, as
+    llama-server batches it, and each prompt still gets exactly the tokens it gets alone;
+    a prompt of another length gets a graph of its own."""
+    import llama_cpp
+
+    questions = ["Write a haiku about rain.", "Name a fruit.", "Why is the sky blue?"]
+    ids = [eng.tokenize(CHAT.format(q)) for q in questions]
+    length = min(len(i) for i in ids)
+    prompts = [i[:length] for i in ids] + [ids[0][: length - 3]]
+
+    def req(prompt_ids: list[int]) -> GenerateRequest:
+        params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 24})
+        return GenerateRequest(input_ids=prompt_ids, sampling=params)
+
+    alone = [(await run(eng, req(p)))[1] for p in prompts]
+    graphs: list[int] = []
+    decode = llama_cpp.llama_decode
+
+    def counted(ctx: object, batch: llama_cpp.llama_batch) -> int:
+        graphs.append(batch.n_tokens)
+        return decode(ctx, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    together = await run_all(eng, [req(p) for p in prompts])
+    assert [ids for _, ids, _ in together] == alone
+    assert len({tuple(a) for a in alone}) == len(prompts)  # four different continuations
+    # The three equal prompts in one graph, the shorter one in its own, then only decodes.
+    assert graphs[:2] == [3 * length, length - 3]
+    assert max(graphs[2:]) <= 4
+
+
 async def test_plain_greedy_picks_what_llama_cpps_greedy_sampler_picks(
     eng: engine.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
