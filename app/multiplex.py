@@ -55,7 +55,9 @@ def sse_response(body: ResponseBody | AsyncIterable[bytes]) -> Response:
 class MultiplexedBody(ResponseBody):
     def __init__(self, streams: Sequence[RequestStream]) -> None:
         self._streams = list(streams)
-        self._send, self._recv = trio.open_memory_channel[tuple[int, Output]](math.inf)
+        self._send: trio.MemorySendChannel[tuple[int, Output]]
+        self._recv: trio.MemoryReceiveChannel[tuple[int, Output]]
+        self._send, self._recv = trio.open_memory_channel(math.inf)
         self._unfinished = len(self._streams)
         if not self._streams:
             self._send.close()

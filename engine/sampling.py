@@ -94,7 +94,7 @@ class SamplingParams:
             return cls()
         if not isinstance(obj, Mapping):
             raise InvalidSamplingParams("sampling_params must be an object")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = _FIELD_NAMES
         unknown = sorted(k for k in obj if k not in known)
         if unknown:
             raise InvalidSamplingParams(
@@ -266,3 +266,6 @@ def _coerce(key: str, value: Any) -> Any:
             _fail(f"custom_params must be an object, got {value!r}.")
         return value
     raise AssertionError(f"no coercion for {key}")  # every dataclass field is listed above
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
