@@ -28,7 +28,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tributary import engine
-from tributary.engine.runners.llama import compute_thread, default_model_path
+from tributary.engine.runners.llama import batch_tokens, compute_thread, default_model_path
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "engine.json"
 TOPICS = [
@@ -96,7 +96,7 @@ class RawLoop:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         assert cfg.context_length is not None
         self.chunk = cfg.prefill_chunk_tokens
-        n_batch = cfg.prefill_chunk_tokens + cfg.max_running_requests
+        n_batch = batch_tokens(cfg)
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = cfg.kv_cells(cfg.context_length)
         cp.n_batch = cp.n_ubatch = n_batch

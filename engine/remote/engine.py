@@ -383,6 +383,10 @@ class RemoteEngine:
     def _end(self, item: _Item, out: Output) -> None:
         item.ended = True
         item.sender.send(out)
+        item.sender.close()
+        # The stream's abort callbacks hold the item: without this, a reference cycle per
+        # request for the garbage collector.
+        item.stream = None
         if self._live.get(item.rid) is item:
             del self._live[item.rid]
 

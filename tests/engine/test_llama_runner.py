@@ -100,13 +100,15 @@ async def test_greedy_is_batch_invariant(eng: engine.Engine) -> None:
     assert len({tuple(ids) for _, ids, _ in batched[:6]}) == 6
 
 
-async def test_prompt_chunks_of_one_length_share_a_graph_and_keep_their_output(
+async def test_prompt_chunks_of_one_length_are_decoded_together_and_keep_their_output(
     eng: engine.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A burst of prompts of the same length is prefilled in one llama_decode, as
     llama-server batches it, and each prompt still gets exactly the tokens it gets alone;
-    a prompt of another length gets a graph of its own."""
+    a prompt of another length gets a decode of its own."""
     import llama_cpp
+
+    from tributary.engine.runners.llama import compute_thread
 
     questions = ["Write a haiku about rain.", "Name a fruit.", "Why is the sky blue?"]
     ids = [eng.tokenize(CHAT.format(q)) for q in questions]
@@ -118,6 +120,7 @@ async def test_prompt_chunks_of_one_length_share_a_graph_and_keep_their_output(
         return GenerateRequest(input_ids=prompt_ids, sampling=params)
 
     alone = [(await run(eng, req(p)))[1] for p in prompts]
+    await compute_thread().run(lambda: None)  # the last decode launched ahead is over
     graphs: list[int] = []
     decode = llama_cpp.llama_decode
 
@@ -129,9 +132,45 @@ async def test_prompt_chunks_of_one_length_share_a_graph_and_keep_their_output(
     together = await run_all(eng, [req(p) for p in prompts])
     assert [ids for _, ids, _ in together] == alone
     assert len({tuple(a) for a in alone}) == len(prompts)  # four different continuations
-    # The three equal prompts in one graph, the shorter one in its own, then only decodes.
+    # The three equal prompts in one decode, the shorter one in its own, then only decodes.
     assert graphs[:2] == [3 * length, length - 3]
     assert max(graphs[2:]) <= 4
+
+
+async def test_a_burst_larger_than_one_decode_is_cut_into_decodes_of_equal_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a prefill budget above MAX_GRAPH_TOKENS, a step's equal-length chunks go in as
+    many decodes as that cap needs (llama.cpp reserves compute memory for the whole ubatch),
+    each prompt still getting exactly its own tokens."""
+    import llama_cpp
+
+    from tributary.engine.runners.llama import MAX_GRAPH_TOKENS, batch_tokens, compute_thread
+
+    config = EngineConfig(context_length=1024, max_running_requests=8, max_prefill_tokens=2048)
+    assert batch_tokens(config) == MAX_GRAPH_TOKENS == 512
+    async with engine.open_engine(config) as eng:
+        base = eng.tokenize("The sea is wide, and the wind is cold. " * 30)
+        prompts = [[1000 + i, *base[:199]] for i in range(8)]
+        assert {len(p) for p in prompts} == {200}
+        graphs: list[int] = []
+        decode = llama_cpp.llama_decode
+
+        def counted(ctx: object, batch: llama_cpp.llama_batch) -> int:
+            graphs.append(batch.n_tokens)
+            return decode(ctx, batch)  # type: ignore[arg-type]
+
+        def req(prompt_ids: list[int]) -> GenerateRequest:
+            params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 8})
+            return GenerateRequest(input_ids=prompt_ids, sampling=params)
+
+        alone = [(await run(eng, req(p)))[1] for p in prompts[:2]]
+        await compute_thread().run(lambda: None)
+        monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+        together = await run_all(eng, [req(p) for p in prompts])
+    # 8 prompts of 200 tokens in one step: two to a decode.
+    assert graphs[:4] == [400, 400, 400, 400]
+    assert [ids for _, ids, _ in together[:2]] == alone
 
 
 async def test_plain_greedy_picks_what_llama_cpps_greedy_sampler_picks(

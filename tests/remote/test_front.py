@@ -4,12 +4,15 @@ both stream modes, n and rid fan-out, per-item e2e_latency and worker_e2e_latenc
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 from remotehelpers import generate, greedy, open_fleet, served_by, sse
+
+from tributary import testing
 
 PROMPTS = [f"prompt number {i} says" for i in range(12)]
 
@@ -184,3 +187,15 @@ async def test_what_the_front_cannot_do_is_a_clear_501() -> None:
         )
         assert completion.status_code == 200, completion.text
         assert completion.json()["usage"]["completion_tokens"] == 4
+
+
+async def test_requests_through_a_front_leave_no_cycles() -> None:
+    """A request the front forwarded is freed by reference counting, at the front as at
+    the workers (tests/app/test_no_garbage_cycles.py), whether answered or streamed."""
+    async with open_fleet(2) as fleet, httpx.AsyncClient(timeout=30) as client:
+        body = {"text": PROMPTS[:3], "sampling_params": greedy(4)}
+        with testing.garbage_cycles() as cycles:
+            for _ in range(2):
+                assert (await generate(client, fleet.url, body)).status_code == 200
+                await _stream_events(client, fleet.url, body)
+            assert cycles() == Counter()

@@ -32,6 +32,7 @@ Helpers (plain functions and classes that need no fixture and work in any Trio c
   `collect(stream)`: read a stream to its end;
 - `fail_step(engine, at=None)`: the sim runner's next (or `at`-th) step fails;
   `sim_config(sim_fail_at_step=N)` fails step N from the start;
+- `garbage_cycles()`: counts the Tributary objects a block leaves to the cycle collector;
 - `AppClient` (in-memory HTTP, with `disconnect_after(path, json, frames=, seconds=)`),
   `open_server`, `server_settings`, `disconnect_after(url, json, frames=, seconds=)` (a
   real socket closed mid-response), `parse_sse`.
@@ -43,6 +44,7 @@ from ._engine import DEFAULT_SIM_LATENCY as DEFAULT_SIM_LATENCY
 from ._engine import assert_engine_idle as assert_engine_idle
 from ._engine import collect as collect
 from ._engine import fail_step as fail_step
+from ._engine import garbage_cycles as garbage_cycles
 from ._engine import leave_stream_after as leave_stream_after
 from ._engine import open_sim_engine as open_sim_engine
 from ._engine import sim_config as sim_config

@@ -3,8 +3,12 @@ injected step failures. No pytest here; these work in any Trio code."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import gc
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,6 +33,7 @@ __all__ = [
     "assert_engine_idle",
     "collect",
     "fail_step",
+    "garbage_cycles",
     "leave_stream_after",
     "open_sim_engine",
     "sim_config",
@@ -188,3 +193,40 @@ def fail_step(engine: Engine, at: int | None = None) -> int:
         raise ValueError(f"step {step} has already started (the runner is at step {runner.steps})")
     runner.fail_at_step = step
     return step
+
+
+@contextlib.contextmanager
+def garbage_cycles() -> Iterator[Callable[[], Counter[str]]]:
+    """Within the block, the collector saves what it finds instead of freeing it; the function
+    it yields collects and counts the Tributary objects among that (by class), that is those
+    that reference counting did not free. A finished request should leave none:
+
+        with testing.garbage_cycles() as cycles:
+            ...  # requests
+            assert cycles() == Counter()
+
+    Enter it once servers and engines are up, so only what the block does counts.
+    """
+    # pytest keeps the last failure's traceback, and through its frames whatever the failed
+    # test held, until the next test's call phase: a failure just before must not count.
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        sys.__dict__.pop(name, None)
+    gc.collect()
+    flags = gc.get_debug()
+    gc.set_debug(flags | gc.DEBUG_SAVEALL)
+    gc.garbage.clear()
+
+    def count() -> Counter[str]:
+        gc.collect()
+        return Counter(
+            f"{type(o).__module__}.{type(o).__qualname__}"
+            for o in gc.garbage
+            if type(o).__module__.startswith("tributary.")
+        )
+
+    try:
+        yield count
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+        gc.collect()
