@@ -342,3 +342,31 @@ async def test_a_grammar_on_a_runner_without_one_names_that_runner(
     params = SamplingParams.from_dict({"regex": "a+"})
     with pytest.raises(engine.BadRequest, match=r"runner \(SimRunner\) cannot constrain"):
         tributary_engine.submit(GenerateRequest(text="hi", sampling=params))
+
+
+def test_garbage_cycles_counts_what_only_the_collector_frees() -> None:
+    import gc
+    from collections import Counter
+
+    from tributary import testing
+    from tributary.engine.request import EngineStats
+
+    class Holder:  # a cycle through one of Tributary's objects
+        pass
+
+    kept = ["the program's own"]
+    gc.garbage.append(kept)
+    try:
+        with testing.garbage_cycles() as cycles:
+            holder = Holder()
+            holder.stats = EngineStats(  # type: ignore[attr-defined]
+                running=0, waiting=0, kv_used_cells=0, kv_total_cells=0, steps=0, generated_tokens=0
+            )
+            holder.me = [holder, holder.stats]  # type: ignore[attr-defined]
+            del holder
+            assert cycles() == Counter({"tributary.engine.request.EngineStats": 1})
+        with pytest.raises(RuntimeError, match="inside"):
+            cycles()
+        assert gc.garbage == [kept]  # what was there before is given back
+    finally:
+        gc.garbage.remove(kept)

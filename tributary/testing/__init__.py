@@ -84,6 +84,7 @@ __all__ = [
     "collect",
     "disconnect_after",
     "fail_step",
+    "garbage_cycles",
     "leave_stream_after",
     "open_server",
     "open_sim_engine",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -205,18 +204,19 @@ def garbage_cycles() -> Iterator[Callable[[], Counter[str]]]:
             ...  # requests
             assert cycles() == Counter()
 
-    Enter it once servers and engines are up, so only what the block does counts.
+    Enter it in the test's body once servers and engines are up, so only what the block does
+    counts, and call `cycles()` inside the block (after it, it raises RuntimeError).
     """
-    # pytest keeps the last failure's traceback, and through its frames whatever the failed
-    # test held, until the next test's call phase: a failure just before must not count.
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        sys.__dict__.pop(name, None)
     gc.collect()
     flags = gc.get_debug()
-    gc.set_debug(flags | gc.DEBUG_SAVEALL)
+    saved = list(gc.garbage)  # whatever the program had kept there, given back afterwards
     gc.garbage.clear()
+    gc.set_debug(flags | gc.DEBUG_SAVEALL)
+    inside = True
 
     def count() -> Counter[str]:
+        if not inside:
+            raise RuntimeError("call cycles() inside the `with garbage_cycles()` block")
         gc.collect()
         return Counter(
             f"{type(o).__module__}.{type(o).__qualname__}"
@@ -227,6 +227,7 @@ def garbage_cycles() -> Iterator[Callable[[], Counter[str]]]:
     try:
         yield count
     finally:
+        inside = False
         gc.set_debug(flags)
-        gc.garbage.clear()
+        gc.garbage[:] = saved
         gc.collect()
