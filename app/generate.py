@@ -136,10 +136,8 @@ async def drain_unary(
         logprobs=logprobs,
         timing_detail=timing_detail,
     )
-    try:
+    async with stream:  # closing aborts it unless it has ended (a client that left)
         await collect_redirected([stream], lambda _index, item: answer.take(item))
-    finally:
-        stream.close()  # aborts it unless it has ended (a client that left)
     status, obj = answer.result()
     if status == 200 and count:
         timing.count_answer()  # in /metrics: only an answer the client gets

@@ -112,10 +112,8 @@ async def collect(
             failures[i] = choices[i].add(item)
             return failures[i] is not None
 
-        try:
+        async with streams[i]:  # closing aborts it unless it has ended
             await collect_redirected([streams[i]], take)
-        finally:
-            streams[i].close()  # aborts it unless it has ended
         if failures[i] is not None:
             cancel_scope.cancel()  # one choice's failure fails the response: stop the others
 

@@ -37,6 +37,30 @@ def request(prompt: str, **sampling: object) -> GenerateRequest:
     return GenerateRequest(text=prompt, sampling=SamplingParams.from_dict(params))
 
 
+def ids_request(prompt_ids: list[int], max_new_tokens: int) -> GenerateRequest:
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new_tokens})
+    return GenerateRequest(input_ids=prompt_ids, sampling=params)
+
+
+async def record_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the size of every `llama_decode` call, in order (once the compute thread
+    has finished what it was given before, such as a decode launched ahead)."""
+    import llama_cpp
+
+    from tributary.engine.runners.llama import compute_thread
+
+    await compute_thread().run(lambda: None)
+    sizes: list[int] = []
+    decode = llama_cpp.llama_decode
+
+    def counted(ctx: object, batch: llama_cpp.llama_batch) -> int:
+        sizes.append(batch.n_tokens)
+        return decode(ctx, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
+    return sizes
+
+
 async def run(eng: engine.Engine, req: GenerateRequest) -> tuple[str, list[int], Done]:
     text, ids = "", []
     async with eng.submit(req) as stream:
@@ -106,30 +130,13 @@ async def test_prompt_chunks_of_one_length_are_decoded_together_and_keep_their_o
     """A burst of prompts of the same length is prefilled in one llama_decode, as
     llama-server batches it, and each prompt still gets exactly the tokens it gets alone;
     a prompt of another length gets a decode of its own."""
-    import llama_cpp
-
-    from tributary.engine.runners.llama import compute_thread
-
     questions = ["Write a haiku about rain.", "Name a fruit.", "Why is the sky blue?"]
     ids = [eng.tokenize(CHAT.format(q)) for q in questions]
     length = min(len(i) for i in ids)
     prompts = [i[:length] for i in ids] + [ids[0][: length - 3]]
-
-    def req(prompt_ids: list[int]) -> GenerateRequest:
-        params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 24})
-        return GenerateRequest(input_ids=prompt_ids, sampling=params)
-
-    alone = [(await run(eng, req(p)))[1] for p in prompts]
-    await compute_thread().run(lambda: None)  # the last decode launched ahead is over
-    graphs: list[int] = []
-    decode = llama_cpp.llama_decode
-
-    def counted(ctx: object, batch: llama_cpp.llama_batch) -> int:
-        graphs.append(batch.n_tokens)
-        return decode(ctx, batch)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(llama_cpp, "llama_decode", counted)
-    together = await run_all(eng, [req(p) for p in prompts])
+    alone = [(await run(eng, ids_request(p, 24)))[1] for p in prompts]
+    graphs = await record_decodes(monkeypatch)
+    together = await run_all(eng, [ids_request(p, 24) for p in prompts])
     assert [ids for _, ids, _ in together] == alone
     assert len({tuple(a) for a in alone}) == len(prompts)  # four different continuations
     # The three equal prompts in one decode, the shorter one in its own, then only decodes.
@@ -143,9 +150,7 @@ async def test_a_burst_larger_than_one_decode_is_cut_into_decodes_of_equal_chunk
     """With a prefill budget above MAX_GRAPH_TOKENS, a step's equal-length chunks go in as
     many decodes as that cap needs (llama.cpp reserves compute memory for the whole ubatch),
     each prompt still getting exactly its own tokens."""
-    import llama_cpp
-
-    from tributary.engine.runners.llama import MAX_GRAPH_TOKENS, batch_tokens, compute_thread
+    from tributary.engine.runners.llama import MAX_GRAPH_TOKENS, batch_tokens
 
     config = EngineConfig(context_length=1024, max_running_requests=8, max_prefill_tokens=2048)
     assert batch_tokens(config) == MAX_GRAPH_TOKENS == 512
@@ -153,21 +158,9 @@ async def test_a_burst_larger_than_one_decode_is_cut_into_decodes_of_equal_chunk
         base = eng.tokenize("The sea is wide, and the wind is cold. " * 30)
         prompts = [[1000 + i, *base[:199]] for i in range(8)]
         assert {len(p) for p in prompts} == {200}
-        graphs: list[int] = []
-        decode = llama_cpp.llama_decode
-
-        def counted(ctx: object, batch: llama_cpp.llama_batch) -> int:
-            graphs.append(batch.n_tokens)
-            return decode(ctx, batch)  # type: ignore[arg-type]
-
-        def req(prompt_ids: list[int]) -> GenerateRequest:
-            params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 8})
-            return GenerateRequest(input_ids=prompt_ids, sampling=params)
-
-        alone = [(await run(eng, req(p)))[1] for p in prompts]
-        await compute_thread().run(lambda: None)
-        monkeypatch.setattr(llama_cpp, "llama_decode", counted)
-        together = await run_all(eng, [req(p) for p in prompts])
+        alone = [(await run(eng, ids_request(p, 8)))[1] for p in prompts]
+        graphs = await record_decodes(monkeypatch)
+        together = await run_all(eng, [ids_request(p, 8) for p in prompts])
     # 8 prompts of 200 tokens in one step: two to a decode.
     assert graphs[:4] == [400, 400, 400, 400]
     assert [ids for _, ids, _ in together] == alone
