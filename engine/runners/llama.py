@@ -34,7 +34,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import llama_cpp
 import numpy as np
@@ -672,46 +672,99 @@ class ComputeThread:
         its Trio run may end before the call does. The result is then nobody's: `orphan`
         (say, a loaded model's `close`) is called on it on the compute thread, and the
         thread carries on with the next job.
-        """
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        handoff = _Handoff[_T]()
 
-        def wake() -> None:  # on the notifier thread
-            try:
-                token.run_sync_soon(done.set)
-            except trio.RunFinishedError:  # nobody will collect it: free it where it was made
-                self.submit(_free_orphan, handoff.abandon(), orphan)
+        The caller waits for its own file descriptor to become readable, which the notifier
+        thread makes so: Trio's epoll wakes the caller directly, in the same pass of its run
+        loop. `trio.lowlevel.current_trio_token().run_sync_soon` would take one more pass (its
+        queue's own task runs the callback, which wakes the caller) and two more reads of
+        Trio's wake-up socket, for every step.
+        """
+        wakeup = _Wakeup.take()
+        handoff: _Handoff[_T] = _Handoff(wakeup)  # not _Handoff[_T](): typing's call is slow
 
         def job() -> None:
             result = outcome.capture(fn, *args)
             if not handoff.deliver(result):
                 _free_orphan(result, orphan)  # the caller has already left
                 return
-            self._wakes.put(wake)
+            self._wakes.put(handoff.wake)
 
         self._jobs.put(job)
         try:
-            with trio.CancelScope(shield=True):
-                await done.wait()
+            try:
+                await wakeup.wait()
+            except trio.Cancelled:
+                # Wait for the call all the same; the cancellation stays pending in its scope
+                # and takes effect at the caller's next checkpoint. (A shielded scope around
+                # every wait would do the same, at a cost on every step.)
+                with trio.CancelScope(shield=True):
+                    await wakeup.wait()
         except BaseException:
             leftover = handoff.abandon()
+            wakeup.close()  # no wake can come once abandoned (it may have come already)
             if leftover is not None:  # delivered, but this caller will never take it
                 self.submit(_free_orphan, leftover, orphan)
             raise
         result = handoff.abandon()
-        assert result is not None, "done is set only after delivery"
+        wakeup.give_back()
+        assert result is not None, "woken only after delivery"
         return result.unwrap()
+
+
+class _Wakeup:
+    """A file descriptor that a Trio task waits on until another thread makes it readable:
+    an eventfd (a pipe where there is none). Kept in a pool, so that a step's wait re-arms an
+    fd Trio's epoll already knows (one `epoll_ctl`) instead of opening and closing one."""
+
+    _pool: ClassVar[list[_Wakeup]] = []
+
+    def __init__(self) -> None:
+        if hasattr(os, "eventfd"):
+            self._read_fd = self._write_fd = os.eventfd(0, os.EFD_CLOEXEC)
+        else:  # pragma: no cover - not Linux
+            self._read_fd, self._write_fd = os.pipe()
+
+    @classmethod
+    def take(cls) -> _Wakeup:
+        try:
+            return cls._pool.pop()  # atomic under the GIL, so any thread's Trio run may call
+        except IndexError:
+            return cls()
+
+    def set(self) -> None:
+        """Make the fd readable; from any thread."""
+        if self._read_fd == self._write_fd:
+            os.eventfd_write(self._write_fd, 1)
+        else:  # pragma: no cover - not Linux
+            os.write(self._write_fd, b"\0")
+
+    async def wait(self) -> None:
+        """Wait until `set`, then consume it (so the fd can serve the next wait)."""
+        await trio.lowlevel.wait_readable(self._read_fd)
+        os.read(self._read_fd, 8)
+
+    def give_back(self) -> None:
+        """Return a consumed wakeup to the pool; nothing may set it meanwhile."""
+        self._pool.append(self)
+
+    def close(self) -> None:
+        """For a wait that was left: the fd may or may not have been set, so it is not reused."""
+        os.close(self._read_fd)
+        if self._write_fd != self._read_fd:  # pragma: no cover - not Linux
+            os.close(self._write_fd)
 
 
 class _Handoff(Generic[_T]):
     """One result passed from the compute thread to a waiting Trio task, or left behind
-    when that task has gone: whichever side comes second sees what the other did."""
+    when that task has gone: whichever side comes second sees what the other did. The
+    wake comes under the same lock, so none comes once the task has abandoned the handoff
+    (it may then close its wakeup's fd)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wakeup: _Wakeup) -> None:
         self._lock = threading.Lock()
         self._result: outcome.Outcome[_T] | None = None
         self._abandoned = False
+        self._wakeup = wakeup
 
     def deliver(self, result: outcome.Outcome[_T]) -> bool:
         """Hand `result` over; False if the waiter has already left (the result is the
@@ -722,8 +775,15 @@ class _Handoff(Generic[_T]):
             self._result = result
             return True
 
+    def wake(self) -> None:
+        """Wake the waiter (on the notifier thread), unless it has left."""
+        with self._lock:
+            if not self._abandoned:
+                self._wakeup.set()
+
     def abandon(self) -> outcome.Outcome[_T] | None:
-        """Take what was delivered (None if nothing yet); nothing is delivered after this."""
+        """Take what was delivered (None if nothing yet); nothing is delivered or woken
+        after this."""
         with self._lock:
             self._abandoned = True
             result, self._result = self._result, None

@@ -7,6 +7,7 @@ the main thread while a job runs, as Ctrl-C in an embedding program does."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -135,3 +136,41 @@ def test_ctrl_c_during_a_model_load_frees_it_and_a_second_open_engine_works(
     while not interrupted_loads[0]._closed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert interrupted_loads[0]._closed
+
+
+def test_a_cancelled_caller_still_gets_the_result_and_is_cancelled_at_its_next_checkpoint() -> None:
+    thread = ComputeThread()
+    release = threading.Event()
+    ran: list[str] = []
+
+    def slow_job() -> int:
+        release.wait(HANG)
+        ran.append("job")
+        return 5
+
+    async def main() -> tuple[list[object], bool]:
+        got: list[object] = []
+        with trio.CancelScope() as scope:
+            scope.cancel()  # the call is never abandoned: the model is not freed under it
+            threading.Timer(0.05, release.set).start()
+            got.append(await thread.run(slow_job))
+            await trio.lowlevel.checkpoint()
+            got.append("went on after cancellation")
+        return got, scope.cancelled_caught
+
+    assert run_in_thread(lambda: trio.run(main)) == [([5], True)]
+    assert ran == ["job"]
+
+
+def test_calls_reuse_their_wakeup_descriptors() -> None:
+    thread = ComputeThread()
+
+    async def main() -> int:
+        for _ in range(5):  # the pool holds what earlier tests left
+            await thread.run(lambda: None)
+        before = len(os.listdir("/proc/self/fd"))
+        for i in range(200):
+            assert await thread.run(lambda i=i: i * 2) == i * 2
+        return len(os.listdir("/proc/self/fd")) - before
+
+    assert run_in_thread(lambda: trio.run(main)) == [0]
