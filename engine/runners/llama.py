@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import queue
+import socket
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -624,8 +625,8 @@ class ComputeThread:
             target=self._work, args=(self._jobs,), name="llama-compute", daemon=True
         )
         self._thread.start()
-        # Waking a Trio run is a socket write, and a thread returning from a system call
-        # must take the GIL back: the event loop it has just woken holds it for its whole
+        # Waking a Trio run is a write to a file descriptor, and a thread returning from a
+        # system call must take the GIL back: the event loop it has just woken holds it for its whole
         # burst of work (commit, detokenize, send), so the compute thread would start the
         # decode launched ahead only after that burst (measured: 0.5-0.7 ms a token at
         # concurrency 1, on a 6-7 ms decode). The compute thread hands each wake to this
@@ -660,6 +661,7 @@ class ComputeThread:
         self._jobs.put(done.set)
         done.wait()
 
+    @trio.lowlevel.enable_ki_protection
     async def run(
         self, fn: Callable[..., _T], *args: Any, orphan: Callable[[_T], object] | None = None
     ) -> _T:
@@ -671,23 +673,23 @@ class ComputeThread:
         shielded wait, so a caller there (`open_engine` loading a model) leaves at once and
         its Trio run may end before the call does. The result is then nobody's: `orphan`
         (say, a loaded model's `close`) is called on it on the compute thread, and the
-        thread carries on with the next job.
+        thread carries on with the next job. (KeyboardInterrupt is let in only at the
+        waits, so no other point can lose the result or the wakeup.)
 
-        The caller waits for its own file descriptor to become readable, which the notifier
-        thread makes so: Trio's epoll wakes the caller directly, in the same pass of its run
-        loop. `trio.lowlevel.current_trio_token().run_sync_soon` would take one more pass (its
+        The caller waits for a file descriptor to become readable, which the notifier thread
+        makes so: Trio's epoll wakes the caller directly, in the same pass of its run loop.
+        `trio.lowlevel.current_trio_token().run_sync_soon` would take one more pass (its
         queue's own task runs the callback, which wakes the caller) and two more reads of
         Trio's wake-up socket, for every step.
         """
         wakeup = _Wakeup.take()
-        handoff: _Handoff[_T] = _Handoff(wakeup)  # not _Handoff[_T](): typing's call is slow
+        handoff: _Handoff[_T] = _Handoff(wakeup, self._wakes)  # _Handoff[_T]() is slow
 
         def job() -> None:
             result = outcome.capture(fn, *args)
             if not handoff.deliver(result):
                 _free_orphan(result, orphan)  # the caller has already left
                 return
-            self._wakes.put(handoff.wake)
 
         self._jobs.put(job)
         try:
@@ -701,7 +703,8 @@ class ComputeThread:
                     await wakeup.wait()
         except BaseException:
             leftover = handoff.abandon()
-            wakeup.close()  # no wake can come once abandoned (it may have come already)
+            # A wake may be queued: the notifier closes the fd after it, never before.
+            self._wakes.put(wakeup.close)
             if leftover is not None:  # delivered, but this caller will never take it
                 self.submit(_free_orphan, leftover, orphan)
             raise
@@ -713,16 +716,19 @@ class ComputeThread:
 
 class _Wakeup:
     """A file descriptor that a Trio task waits on until another thread makes it readable:
-    an eventfd (a pipe where there is none). Kept in a pool, so that a step's wait re-arms an
-    fd Trio's epoll already knows (one `epoll_ctl`) instead of opening and closing one."""
+    an eventfd (a socket pair where there is none; Trio waits only on sockets on Windows).
+    Wakeups are pooled, process-wide: a step's wait re-arms an fd Trio's epoll already knows
+    (one `epoll_ctl`) instead of opening and closing one. Only a consumed wakeup goes back."""
 
     _pool: ClassVar[list[_Wakeup]] = []
 
     def __init__(self) -> None:
+        self._eventfd: int | None = None
+        self._pair: tuple[socket.socket, socket.socket] | None = None
         if hasattr(os, "eventfd"):
-            self._read_fd = self._write_fd = os.eventfd(0, os.EFD_CLOEXEC)
+            self._eventfd = os.eventfd(0, os.EFD_CLOEXEC)
         else:  # pragma: no cover - not Linux
-            self._read_fd, self._write_fd = os.pipe()
+            self._pair = socket.socketpair()
 
     @classmethod
     def take(cls) -> _Wakeup:
@@ -733,15 +739,21 @@ class _Wakeup:
 
     def set(self) -> None:
         """Make the fd readable; from any thread."""
-        if self._read_fd == self._write_fd:
-            os.eventfd_write(self._write_fd, 1)
+        if self._eventfd is not None:
+            os.eventfd_write(self._eventfd, 1)
         else:  # pragma: no cover - not Linux
-            os.write(self._write_fd, b"\0")
+            assert self._pair is not None
+            self._pair[1].send(b"\0")
 
     async def wait(self) -> None:
         """Wait until `set`, then consume it (so the fd can serve the next wait)."""
-        await trio.lowlevel.wait_readable(self._read_fd)
-        os.read(self._read_fd, 8)
+        if self._eventfd is not None:
+            await trio.lowlevel.wait_readable(self._eventfd)
+            os.eventfd_read(self._eventfd)
+        else:  # pragma: no cover - not Linux
+            assert self._pair is not None
+            await trio.lowlevel.wait_readable(self._pair[0])
+            self._pair[0].recv(8)
 
     def give_back(self) -> None:
         """Return a consumed wakeup to the pool; nothing may set it meanwhile."""
@@ -749,41 +761,41 @@ class _Wakeup:
 
     def close(self) -> None:
         """For a wait that was left: the fd may or may not have been set, so it is not reused."""
-        os.close(self._read_fd)
-        if self._write_fd != self._read_fd:  # pragma: no cover - not Linux
-            os.close(self._write_fd)
+        if self._eventfd is not None:
+            os.close(self._eventfd)
+        else:  # pragma: no cover - not Linux
+            assert self._pair is not None
+            for sock in self._pair:
+                sock.close()
 
 
 class _Handoff(Generic[_T]):
     """One result passed from the compute thread to a waiting Trio task, or left behind
-    when that task has gone: whichever side comes second sees what the other did. The
-    wake comes under the same lock, so none comes once the task has abandoned the handoff
-    (it may then close its wakeup's fd)."""
+    when that task has gone: whichever side comes second sees what the other did. The wake
+    is queued for the notifier under the same lock, so it is queued only while the task
+    still waits, and ahead of anything the task queues when it leaves (closing its fd)."""
 
-    def __init__(self, wakeup: _Wakeup) -> None:
+    def __init__(
+        self, wakeup: _Wakeup, wakes: queue.SimpleQueue[Callable[[], None] | None]
+    ) -> None:
         self._lock = threading.Lock()
         self._result: outcome.Outcome[_T] | None = None
         self._abandoned = False
         self._wakeup = wakeup
+        self._wakes = wakes
 
     def deliver(self, result: outcome.Outcome[_T]) -> bool:
-        """Hand `result` over; False if the waiter has already left (the result is the
-        caller's to free)."""
+        """Hand `result` over and have the notifier wake the waiter; False if the waiter
+        has already left (the result is the caller's to free)."""
         with self._lock:
             if self._abandoned:
                 return False
             self._result = result
+            self._wakes.put(self._wakeup.set)
             return True
 
-    def wake(self) -> None:
-        """Wake the waiter (on the notifier thread), unless it has left."""
-        with self._lock:
-            if not self._abandoned:
-                self._wakeup.set()
-
     def abandon(self) -> outcome.Outcome[_T] | None:
-        """Take what was delivered (None if nothing yet); nothing is delivered or woken
-        after this."""
+        """Take what was delivered (None if nothing yet); nothing is delivered after this."""
         with self._lock:
             self._abandoned = True
             result, self._result = self._result, None

@@ -7,7 +7,9 @@ the main thread while a job runs, as Ctrl-C in an embedding program does."""
 
 from __future__ import annotations
 
+import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -65,6 +67,8 @@ def test_a_result_whose_caller_was_interrupted_is_freed_and_the_thread_serves_on
 
     with pytest.raises(KeyboardInterrupt):
         trio.run(interrupted)
+    wait_for_notifier(thread)  # the caller's wakeup fd is closed now...
+    probes = [os.eventfd(0) for _ in range(256)]  # ...so one of these reuses its number
     run_over.set()
 
     async def later() -> int:
@@ -72,6 +76,57 @@ def test_a_result_whose_caller_was_interrupted_is_freed_and_the_thread_serves_on
 
     assert run_in_thread(lambda: trio.run(later)) == [42]
     assert freed == ["model"]
+    wait_for_notifier(thread)
+    assert not any(map(readable, probes)), "a wake for the caller that left reached another fd"
+    for fd in probes:
+        os.close(fd)
+
+
+@needs_default_sigint
+def test_a_wake_still_queued_when_its_caller_leaves_never_reaches_another_descriptor(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    thread = ComputeThread()
+    hold = threading.Event()
+    thread._wakes.put(lambda: hold.wait(HANG))  # the notifier is busy: wakes queue up
+    freed: list[str] = []
+
+    def quick_job() -> str:
+        thread.submit(ctrl_c)  # the next job: Ctrl-C comes once this result is delivered
+        return "model"  # and its wake waits behind the busy notifier
+
+    async def interrupted() -> None:
+        await thread.run(quick_job, orphan=freed.append)
+
+    with pytest.raises(KeyboardInterrupt):
+        trio.run(interrupted)
+    # Had the caller closed its fd on leaving, one of these would take its number.
+    probes = [os.eventfd(0) for _ in range(256)]
+    hold.set()
+    wait_for_notifier(thread)
+    assert not any(map(readable, probes)), "the queued wake hit a closed caller's fd number"
+    for fd in probes:
+        os.close(fd)
+    # Nor a closed fd (EBADF, logged by the notifier).
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    thread.wait_idle()
+    assert freed == ["model"]
+
+    async def later() -> list[int]:
+        return [await thread.run(lambda i=i: i) for i in range(20)]
+
+    assert run_in_thread(lambda: trio.run(later)) == [list(range(20))]
+
+
+def wait_for_notifier(thread: ComputeThread) -> None:
+    """Until the notifier thread has done every wake queued so far."""
+    done = threading.Event()
+    thread._wakes.put(done.set)
+    assert done.wait(HANG)
+
+
+def readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def test_a_job_that_raises_anything_leaves_the_thread_serving() -> None:
