@@ -626,9 +626,9 @@ class ComputeThread:
         )
         self._thread.start()
         # Waking a Trio run is a write to a file descriptor, and a thread returning from a
-        # system call must take the GIL back: the event loop it has just woken holds it for its whole
-        # burst of work (commit, detokenize, send), so the compute thread would start the
-        # decode launched ahead only after that burst (measured: 0.5-0.7 ms a token at
+        # system call must take the GIL back: the event loop it has just woken holds it for
+        # its whole burst of work (commit, detokenize, send), so the compute thread would
+        # start the decode launched ahead only after that burst (measured: 0.5-0.7 ms a token at
         # concurrency 1, on a 6-7 ms decode). The compute thread hands each wake to this
         # thread instead, which does the write while the decode runs (ctypes releases the
         # GIL for it).
