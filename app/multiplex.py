@@ -9,10 +9,11 @@ Synopsis::
             if self.exhausted:                     # that backlog held the last terminal item
                 ...                                # so the end can go in the same write
 
-Each stream is redirected (`RequestStream.redirect`) into one channel: the engine's scheduler
-puts `(index, item)` there the moment it produces an item, and `on_item` sees it at that
-moment, so per-item timing never waits for the client. No task per stream. `next_backlog`
-returns everything waiting, so a slow reader gets one coalesced write instead of many.
+Each stream is redirected (`RequestStream.redirect`) into one queue: the engine's scheduler
+appends `(index, item)` the moment it produces an item (and wakes the body if it waits), and
+`on_item` sees it at that moment, so per-item timing never waits for the client. No task
+per stream. `next_backlog` returns everything waiting, so a slow reader gets one coalesced
+write instead of many.
 Leaving the body early (client gone: `Cancelled`, or `GeneratorExit`), or never entering it,
 aborts every unfinished request synchronously (`close`; the view also hands the streams to
 the exchange with `owned_by_request`).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import abstractmethod
+from collections import deque
 from collections.abc import AsyncIterable, Sequence
 from functools import partial
 from types import TracebackType
@@ -55,12 +57,14 @@ def sse_response(body: ResponseBody | AsyncIterable[bytes]) -> Response:
 class MultiplexedBody(ResponseBody):
     def __init__(self, streams: Sequence[RequestStream]) -> None:
         self._streams = list(streams)
-        self._send: trio.MemorySendChannel[tuple[int, Output]]
-        self._recv: trio.MemoryReceiveChannel[tuple[int, Output]]
-        self._send, self._recv = trio.open_memory_channel(math.inf)
+        # What the engine delivered and the body has not taken yet, and the body's task while
+        # it waits for more. A deque and a parked task rather than a memory channel: the
+        # engine wakes the body directly, taking what waits needs no exception, and neither
+        # side pays a channel's checkpoints, once per token of every stream.
+        self._items: deque[tuple[int, Output]] = deque()
+        self._waiter: trio.lowlevel.Task | None = None
+        self._left = False
         self._unfinished = len(self._streams)
-        if not self._streams:
-            self._send.close()
         for index, stream in enumerate(self._streams):
             stream.redirect(partial(self._deliver, index))
 
@@ -70,30 +74,41 @@ class MultiplexedBody(ResponseBody):
     @property
     def exhausted(self) -> bool:
         """Every stream has delivered its terminal item and every item has been taken."""
-        return self._unfinished == 0 and self._recv.statistics().current_buffer_used == 0
+        return self._unfinished == 0 and not self._items
 
     async def next_backlog(self) -> list[tuple[int, Output]] | None:
         """Wait for at least one item; return all that are waiting, or None once every
         stream has ended. A stream with a deadline (`RequestStream.set_deadline`) that
         passes meanwhile ends there with its 408 `Done`."""
-        deadline = min((s.deadline for s in self._streams if not s.finished), default=math.inf)
-        try:
+        if self._items:
+            # Items waited while the body was writing: let the engine run first, as a
+            # channel's receive would, so that a busy engine's next items join this write.
+            await trio.lowlevel.checkpoint()
+        while not self._items and self._unfinished:
+            deadline = min((s.deadline for s in self._streams if not s.finished), default=math.inf)
             if deadline == math.inf:
-                return self._drain([await self._recv.receive()])
+                await self._wait()
+                break
             with trio.move_on_at(deadline):
-                return self._drain([await self._recv.receive()])
-            for stream in self._streams:
-                stream.time_out()  # each unfinished one hands us its 408 Done
-            return self._drain([await self._recv.receive()])
-        except trio.EndOfChannel:
+                await self._wait()
+            if not self._items:
+                for stream in self._streams:
+                    stream.time_out()  # each unfinished one hands us its 408 Done
+        if not self._items:
             return None
+        backlog = list(self._items)
+        self._items.clear()
+        return backlog
 
-    def _drain(self, backlog: list[tuple[int, Output]]) -> list[tuple[int, Output]]:
-        while True:
-            try:
-                backlog.append(self._recv.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return backlog
+    async def _wait(self) -> None:
+        """Until the engine delivers an item (or the wait is cancelled)."""
+        self._waiter = trio.lowlevel.current_task()
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            self._waiter = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _deliver(self, index: int, item: Output) -> None:
         # Runs in the engine's scheduler: never raise into it.
@@ -101,20 +116,21 @@ class MultiplexedBody(ResponseBody):
             self.on_item(index, item)
         except Exception:
             LOGGER.exception("on_item failed for item %d of a streamed response", index)
-        try:
-            self._send.send_nowait((index, item))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the body was left; close() has aborted what was unfinished
         if isinstance(item, TERMINAL):
             self._unfinished -= 1
-            if self._unfinished == 0:
-                self._send.close()
+        if self._left:
+            return  # close() has aborted what was unfinished
+        self._items.append((index, item))
+        if self._waiter is not None:
+            task, self._waiter = self._waiter, None
+            trio.lowlevel.reschedule(task)
 
     def close(self) -> None:
         """Abort every unfinished request and stop receiving. Synchronous and idempotent."""
+        self._left = True
         for stream in self._streams:
             stream.close()
-        self._recv.close()
+        self._items.clear()
 
     async def __aenter__(self) -> MultiplexedBody:
         return self
