@@ -59,8 +59,8 @@ class MultiplexedBody(ResponseBody):
         self._streams = list(streams)
         # What the engine delivered and the body has not taken yet, and the body's task while
         # it waits for more. A deque and a parked task rather than a memory channel: the
-        # engine wakes the body directly, taking what waits needs no exception, and neither
-        # side pays a channel's checkpoints, once per token of every stream.
+        # engine wakes the body directly, and taking what waits needs no `WouldBlock` raised
+        # to find the queue empty, nor a channel's statistics object to see it drained.
         self._items: deque[tuple[int, Output]] = deque()
         self._waiter: trio.lowlevel.Task | None = None
         self._left = False
@@ -78,27 +78,33 @@ class MultiplexedBody(ResponseBody):
 
     async def next_backlog(self) -> list[tuple[int, Output]] | None:
         """Wait for at least one item; return all that are waiting, or None once every
-        stream has ended. A stream with a deadline (`RequestStream.set_deadline`) that
-        passes meanwhile ends there with its 408 `Done`."""
+        stream has ended (or the body was closed). A stream with a deadline
+        (`RequestStream.set_deadline`) that has passed ends there with its 408 `Done`, in
+        the same backlog as the items that waited."""
         if self._items:
             # Items waited while the body was writing: let the engine run first, as a
-            # channel's receive would, so that a busy engine's next items join this write.
+            # channel's receive would, so that a busy engine's next items may join this write.
             await trio.lowlevel.checkpoint()
-        while not self._items and self._unfinished:
-            deadline = min((s.deadline for s in self._streams if not s.finished), default=math.inf)
+        elif self._unfinished and not self._left:
+            deadline = self._deadline()
             if deadline == math.inf:
                 await self._wait()
-                break
-            with trio.move_on_at(deadline):
-                await self._wait()
-            if not self._items:
-                for stream in self._streams:
-                    stream.time_out()  # each unfinished one hands us its 408 Done
-        if not self._items:
+            else:
+                with trio.move_on_at(deadline):
+                    await self._wait()
+        if self._unfinished and self._deadline() <= trio.current_time():
+            for stream in self._streams:
+                stream.time_out()  # each unfinished one past its deadline hands us its 408
+        if not self._items and self._unfinished and not self._left:
+            await self._wait()  # a deadline passed for a stream closed elsewhere: no 408 comes
+        if not self._items or self._left:
             return None
         backlog = list(self._items)
         self._items.clear()
         return backlog
+
+    def _deadline(self) -> float:
+        return min((s.deadline for s in self._streams if not s.finished), default=math.inf)
 
     async def _wait(self) -> None:
         """Until the engine delivers an item (or the wait is cancelled)."""
@@ -126,11 +132,15 @@ class MultiplexedBody(ResponseBody):
             trio.lowlevel.reschedule(task)
 
     def close(self) -> None:
-        """Abort every unfinished request and stop receiving. Synchronous and idempotent."""
+        """Abort every unfinished request and stop receiving (a waiting `next_backlog`
+        returns None). Synchronous and idempotent."""
         self._left = True
         for stream in self._streams:
             stream.close()
         self._items.clear()
+        if self._waiter is not None:
+            task, self._waiter = self._waiter, None
+            trio.lowlevel.reschedule(task)
 
     async def __aenter__(self) -> MultiplexedBody:
         return self

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from tributary.app.multiplex import MultiplexedBody
-from tributary.engine import Engine, GenerateRequest, SamplingParams
+from tributary.engine import Engine, Frame, GenerateRequest, SamplingParams
+from tributary.engine.stream import RequestStream, open_output_channel
 from tributary.testing import wait_engine_idle
 
 
@@ -47,3 +49,52 @@ async def test_a_body_cancelled_while_reading_cleans_up(tributary_engine: Engine
                 pass
     assert scope.cancelled_caught
     await wait_engine_idle(tributary_engine)
+
+
+async def test_items_that_waited_past_the_deadline_go_out_with_every_408(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Two streams with one deadline; a frame arrives before it, while the body is busy
+    # writing to a slow client until after it: the frame and both 408s make one write.
+    channels = [open_output_channel(f"r{i}") for i in range(2)]
+    streams = [
+        RequestStream(rid=f"r{i}", prompt_tokens=1, receiver=r, abort=lambda: None, sender=s)
+        for i, (s, r) in enumerate(channels)
+    ]
+    for stream in streams:
+        stream.set_deadline(trio.current_time() + 1.0)
+    body = Body(streams)
+    channels[0][0].send(Frame("r0", "x", [1], 1, 1, 0))
+    await trio.sleep(2)  # the slow write
+    backlog = await body.next_backlog()
+    assert backlog is not None
+    assert [(i, type(item).__name__) for i, item in backlog] == [
+        (0, "Frame"),
+        (0, "Done"),
+        (1, "Done"),
+    ]
+    assert all(item.finish_reason["status_code"] == 408 for _, item in backlog[1:])  # type: ignore[union-attr,index]
+    assert body.exhausted
+    assert await body.next_backlog() is None
+
+
+async def test_closing_a_body_wakes_its_waiting_reader() -> None:
+    sender, receiver = open_output_channel("r0")
+    body = Body(
+        [
+            RequestStream(
+                rid="r0", prompt_tokens=1, receiver=receiver, abort=lambda: None, sender=sender
+            )
+        ]
+    )
+    got: list[object] = []
+
+    async def read() -> None:
+        got.append(await body.next_backlog())
+
+    with trio.fail_after(10):  # a reader nobody wakes would wait for ever
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            body.close()
+    assert got == [None]
