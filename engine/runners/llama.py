@@ -25,6 +25,7 @@ sequence ids, so the batch goes in id order and the scheduler hands out the lowe
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import importlib.util
 import logging
@@ -342,7 +343,9 @@ class LlamaRunner:
         a burst of them is 6-10% faster than a decode each, as llama-server batches them.
         """
         sampled: dict[int, int] = {}  # plan index -> token
-        touched = {s.seq_id for s in plan}  # slots whose KV this step changes
+        # Slots whose KV this step changes (their cells are recounted): all but those whose
+        # token was decoded ahead, counted when that decode ran.
+        touched = {s.seq_id for s in plan}
         singles = [i for i, s in enumerate(plan) if len(s.tokens) == 1]
         ahead, self._ahead = self._ahead, None
         opened, self._opened = self._opened, set()
@@ -350,14 +353,17 @@ class LlamaRunner:
             # Entries the decode launched ahead already computed are sampled from its logits
             # (still in llama.cpp's output buffer: nothing has decoded since), before any
             # other decode overwrites them.
-            hits = {
-                i: ahead.outputs.pop(_key(plan[i]))
-                for i in singles
-                if _key(plan[i]) in ahead.outputs and plan[i].seq_id not in opened
-            }
-            for i, idx in hits.items():
-                sampled[i] = self._sample(plan[i], idx)
-            singles = [i for i in singles if i not in hits]
+            outputs = ahead.outputs
+            missed: list[int] = []
+            for i in singles:
+                s = plan[i]
+                idx = None if s.seq_id in opened else outputs.pop(_key(s), None)
+                if idx is None:
+                    missed.append(i)
+                else:
+                    sampled[i] = self._sample(s, idx)
+                    touched.discard(s.seq_id)
+            singles = missed
             # Computed for nobody (its sequence ended or was aborted): drop the cell. A slot
             # released since had all its cells removed by the free job that ran in between,
             # and a sequence newly given that slot has no cells before this step's prefill.
@@ -365,20 +371,17 @@ class LlamaRunner:
                 if seq_id not in self._freeing:
                     llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
                     touched.add(seq_id)
-        # Restores after that clean-up, which may touch a slot that was just reopened.
-        for s in plan:
-            if s.restore is not None:
-                self._load(s.seq_id, s.restore)
         forks: dict[int, list[int]] = {}  # leader slot -> plan indexes of its forks
-        for i, s in enumerate(plan):
-            if s.fork_from is not None:
-                forks.setdefault(s.fork_from, []).append(i)
-        if singles:
-            self._decode(plan, singles, sampled, forks)
         chunks: dict[int, list[int]] = {}  # prompt chunk length -> plan indexes
         for i, s in enumerate(plan):
+            if s.restore is not None:  # after that clean-up, which may touch a reopened slot
+                self._load(s.seq_id, s.restore)
+            if s.fork_from is not None:
+                forks.setdefault(s.fork_from, []).append(i)
             if len(s.tokens) > 1:
                 chunks.setdefault(len(s.tokens), []).append(i)
+        if singles:
+            self._decode(plan, singles, sampled, forks)
         for length, members in chunks.items():
             # In slot order, so that each decode covers a run of consecutive slots when it can
             # (llama.cpp cuts a call at every gap in the sequence ids).
@@ -386,7 +389,7 @@ class LlamaRunner:
             per_decode = self._graph_tokens // length
             for k in range(0, len(members), per_decode):
                 self._decode(plan, members[k : k + per_decode], sampled, forks)
-        self._count_kv(touched)
+        nxt: list[tuple[int, int, int]] = []
         if self._overlap and sampled:
             # Every sequence that got a token will decode it next step unless it finishes:
             # start that decode now, so llama.cpp's threads never wait for the event loop.
@@ -397,8 +400,10 @@ class LlamaRunner:
                 for i, t in sampled.items()
                 if t not in eog
             ]
-            if nxt:
-                compute_thread().submit(self._decode_ahead, nxt)
+        if touched:
+            self._count_kv(touched)
+        if nxt:
+            compute_thread().submit(self._decode_ahead, nxt)
         return [sampled[i] for i in sorted(sampled)]
 
     def _decode_ahead(self, entries: list[tuple[int, int, int]]) -> None:
@@ -408,20 +413,34 @@ class LlamaRunner:
         if not entries or self._closed:
             return
         batch = self._batch
+        # Each read of a pointer field builds a ctypes object: read each once.
+        tokens, positions, n_seq_ids, seq_ids, logits = (
+            batch.token,
+            batch.pos,
+            batch.n_seq_id,
+            batch.seq_id,
+            batch.logits,
+        )
         outputs: dict[tuple[int, int, int], int] = {}
-        for n, (seq_id, token, pos) in enumerate(sorted(entries)):
-            batch.token[n] = token
-            batch.pos[n] = pos
-            batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = seq_id
-            batch.logits[n] = 1
-            outputs[(seq_id, token, pos)] = n
+        for n, entry in enumerate(sorted(entries)):
+            seq_id, tokens[n], positions[n] = entry
+            n_seq_ids[n] = 1
+            seq_ids[n][0] = seq_id
+            logits[n] = 1
+            outputs[entry] = n
         batch.n_tokens = len(entries)
         if llama_cpp.llama_decode(self._ctx, batch) != 0:
             for seq_id, _token, pos in entries:  # the step will decode them itself
                 llama_cpp.llama_memory_seq_rm(self._memory, seq_id, pos, -1)
             return
         self._ahead = _DecodeAhead(outputs)
+        # Each slot now ends at `pos`: its cells are 0..pos, as every sequence starts at
+        # position 0 (prompts, restored prefixes and forks alike). Counted here, not with
+        # two ctypes calls per slot between this decode and the next.
+        cells = dict(self._slot_cells)
+        for seq_id, _token, pos in entries:
+            cells[seq_id] = pos + 1
+        self._slot_cells = cells
 
     def _decode(
         self,
@@ -620,22 +639,10 @@ class ComputeThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._wakes: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._work, args=(self._jobs,), name="llama-compute", daemon=True
         )
         self._thread.start()
-        # Waking a Trio run is a write to a file descriptor, and a thread returning from a
-        # system call must take the GIL back: the event loop it has just woken holds it for
-        # its whole burst of work (commit, detokenize, send), so the compute thread would
-        # start the decode launched ahead only after that burst (measured: 0.5-0.7 ms a token at
-        # concurrency 1, on a 6-7 ms decode). The compute thread hands each wake to this
-        # thread instead, which does the write while the decode runs (ctypes releases the
-        # GIL for it).
-        self._notifier = threading.Thread(
-            target=self._work, args=(self._wakes,), name="llama-notify", daemon=True
-        )
-        self._notifier.start()
 
     @staticmethod
     def _work(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
@@ -676,14 +683,14 @@ class ComputeThread:
         thread carries on with the next job. (KeyboardInterrupt is let in only at the
         waits, so no other point can lose the result or the wakeup.)
 
-        The caller waits for a file descriptor to become readable, which the notifier thread
-        makes so: Trio's epoll wakes the caller directly, in the same pass of its run loop.
-        `trio.lowlevel.current_trio_token().run_sync_soon` would take one more pass (its
-        queue's own task runs the callback, which wakes the caller) and two more reads of
-        Trio's wake-up socket, for every step.
+        The caller waits for a file descriptor to become readable, which the compute thread
+        makes so as it delivers the result (`_Wakeup.set`): Trio's epoll wakes the caller
+        directly, in the same pass of its run loop. `run_sync_soon` would take one more pass
+        (its queue's own task runs the callback, which wakes the caller) and two more reads
+        of Trio's wake-up socket, for every step.
         """
         wakeup = _Wakeup.take()
-        handoff: _Handoff[_T] = _Handoff(wakeup, self._wakes)  # _Handoff[_T]() is slow
+        handoff: _Handoff[_T] = _Handoff(wakeup)  # not _Handoff[_T](): typing's call is slow
 
         def job() -> None:
             result = outcome.capture(fn, *args)
@@ -702,30 +709,47 @@ class ComputeThread:
                 with trio.CancelScope(shield=True):
                     await wakeup.wait()
         except BaseException:
-            leftover = handoff.abandon()
-            # A wake may be queued: the notifier closes the fd after it, never before.
-            self._wakes.put(wakeup.close)
-            if leftover is not None:  # delivered, but this caller will never take it
-                self.submit(_free_orphan, leftover, orphan)
+            self._leave(handoff, wakeup, orphan)
             raise
         result = handoff.abandon()
         wakeup.give_back()
         assert result is not None, "woken only after delivery"
         return result.unwrap()
 
+    def _leave(
+        self, handoff: _Handoff[_T], wakeup: _Wakeup, orphan: Callable[[_T], object] | None
+    ) -> None:
+        """A caller leaves before taking its result (KeyboardInterrupt): nothing is delivered
+        to it any more, what was delivered is freed, and its wakeup, set or not, is closed."""
+        leftover = handoff.abandon()
+        wakeup.close()  # never reused: it may have been set
+        if leftover is not None:  # delivered, but this caller will never take it
+            self.submit(_free_orphan, leftover, orphan)
+
 
 class _Wakeup:
     """A file descriptor that a Trio task waits on until another thread makes it readable:
     an eventfd (a socket pair where there is none; Trio waits only on sockets on Windows).
     Wakeups are pooled, process-wide: a step's wait re-arms an fd Trio's epoll already knows
-    (one `epoll_ctl`) instead of opening and closing one. Only a consumed wakeup goes back."""
+    (one `epoll_ctl`) instead of opening and closing one. Only a consumed wakeup goes back.
+
+    `set` writes the eventfd *holding the GIL* (libc through `ctypes.PyDLL`). The thread
+    that sets it is the compute thread between two decodes, and the event loop it wakes
+    wants the GIL at once: had the write released it (as `os.eventfd_write` does), the
+    compute thread would have to win it back from the event loop's whole burst of work
+    (commit, detokenize, send) before starting the next decode (measured before: 0.5-0.7
+    ms a token at concurrency 1, on a 6-7 ms decode). Holding it, the compute thread runs on
+    to that decode, whose `llama_decode` releases the GIL to the event loop a few
+    microseconds later. (A second thread that did the write instead cost the compute thread
+    about 30 µs a step to hand it over, between two decodes, and 0.04 ms of CPU a token.)
+    """
 
     _pool: ClassVar[list[_Wakeup]] = []
 
     def __init__(self) -> None:
         self._eventfd: int | None = None
         self._pair: tuple[socket.socket, socket.socket] | None = None
-        if hasattr(os, "eventfd"):
+        if _eventfd_write is not None:
             self._eventfd = os.eventfd(0, os.EFD_CLOEXEC)
         else:  # pragma: no cover - not Linux
             self._pair = socket.socketpair()
@@ -740,7 +764,9 @@ class _Wakeup:
     def set(self) -> None:
         """Make the fd readable; from any thread."""
         if self._eventfd is not None:
-            os.eventfd_write(self._eventfd, 1)
+            assert _eventfd_write is not None
+            if _eventfd_write(self._eventfd, 1) != 0:
+                raise OSError(ctypes.get_errno(), "eventfd_write failed")
         else:  # pragma: no cover - not Linux
             assert self._pair is not None
             self._pair[1].send(b"\0")
@@ -769,29 +795,43 @@ class _Wakeup:
                 sock.close()
 
 
+def _libc_eventfd_write() -> Callable[[int, int], int] | None:
+    """glibc's `eventfd_write`, called without releasing the GIL; None where there is none."""
+    if not hasattr(os, "eventfd"):
+        return None  # pragma: no cover - not Linux
+    try:
+        libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.eventfd_write
+    except (OSError, AttributeError):  # pragma: no cover - a libc without it
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_uint64)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_eventfd_write = _libc_eventfd_write()
+
+
 class _Handoff(Generic[_T]):
     """One result passed from the compute thread to a waiting Trio task, or left behind
-    when that task has gone: whichever side comes second sees what the other did. The wake
-    is queued for the notifier under the same lock, so it is queued only while the task
-    still waits, and ahead of anything the task queues when it leaves (closing its fd)."""
+    when that task has gone: whichever side comes second sees what the other did. The
+    waiter is woken under the same lock, so never once it has abandoned the handoff (it
+    may then close its wakeup's fd)."""
 
-    def __init__(
-        self, wakeup: _Wakeup, wakes: queue.SimpleQueue[Callable[[], None] | None]
-    ) -> None:
+    def __init__(self, wakeup: _Wakeup) -> None:
         self._lock = threading.Lock()
         self._result: outcome.Outcome[_T] | None = None
         self._abandoned = False
         self._wakeup = wakeup
-        self._wakes = wakes
 
     def deliver(self, result: outcome.Outcome[_T]) -> bool:
-        """Hand `result` over and have the notifier wake the waiter; False if the waiter
-        has already left (the result is the caller's to free)."""
+        """Hand `result` over and wake the waiter; False if the waiter has already left
+        (the result is the caller's to free)."""
         with self._lock:
             if self._abandoned:
                 return False
             self._result = result
-            self._wakes.put(self._wakeup.set)
+            self._wakeup.set()
             return True
 
     def abandon(self) -> outcome.Outcome[_T] | None:

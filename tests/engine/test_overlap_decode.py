@@ -71,3 +71,26 @@ async def test_overlap_gives_the_same_tokens_and_frees_every_cell() -> None:
     in_step = await workload(overlap=False)
     assert ahead == in_step
     assert all(ahead)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_the_kv_count_follows_a_decoding_sequence(overlap: bool) -> None:
+    # A lone request: its cells are its prompt and every token fed back so far (decoding
+    # ahead counts a token's cell once its decode has run, which may already be the case
+    # for the token just delivered).
+    config = EngineConfig(
+        context_length=1024, max_running_requests=2, threads=1, overlap_decode=overlap
+    )
+    async with engine.open_engine(config) as eng:
+        stream = eng.submit(request(0, max_new_tokens=40, ignore_eos=True))
+        seen: list[tuple[int, int]] = []
+        async with stream:
+            async for item in stream:
+                if isinstance(item, Frame):
+                    fed_back = stream.prompt_tokens + item.completion_tokens - 1
+                    seen.append((eng.stats().kv_used_cells - fed_back, item.completion_tokens))
+        assert len(seen) > 30
+        assert all(extra in ((0, 1) if overlap else (0,)) for extra, _ in seen), seen
+        with trio.fail_after(10):
+            while eng.stats().kv_used_cells:
+                await trio.sleep(0.01)
