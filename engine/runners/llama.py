@@ -25,7 +25,6 @@ sequence ids, so the batch goes in id order and the scheduler hands out the lowe
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import importlib.util
 import logging
@@ -193,7 +192,8 @@ class LlamaRunner:
         self._argmax: set[int] = set()
         self._row_views: dict[int, np.ndarray] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        #: KV cells per slot, as llama.cpp counts them (refreshed on the compute thread).
+        #: KV cells per slot (on the compute thread: recounted from llama.cpp after a step,
+        #: set from the position after a decode launched ahead).
         self._slot_cells: dict[int, int] = {}
         #: Slots released by the scheduler whose KV the compute thread has not removed yet.
         self._freeing: set[int] = set()
@@ -578,16 +578,16 @@ class LlamaRunner:
         return row
 
     def kv_used_cells(self) -> int:
-        # llama.cpp's own count after the last job, less the slots released since (their
-        # removal is queued behind at most one decode).
+        # The count after the last job, less the slots released since (their removal is
+        # queued behind at most one decode).
         cells = self._slot_cells
         return sum(n for slot, n in list(cells.items()) if slot not in self._freeing)
 
     def _count_kv(self, seq_ids: Iterable[int] | None = None) -> None:
         """Refresh the per-slot KV counts from llama.cpp (compute thread only): of `seq_ids`,
-        or of every slot. A step refreshes only its own slots: two calls per slot across
-        the ctypes boundary, each of which may wait for the GIL, are not worth spending on
-        slots the step did not touch between one decode and the next."""
+        or of every slot. A step refreshes only the slots it computed (not those whose token
+        was decoded ahead: `_launch_ahead` counts them): two calls per slot across the
+        ctypes boundary are not worth spending between one decode and the next."""
         cells = dict(self._slot_cells)
         for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)) if seq_ids is None else seq_ids:
             hi = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
@@ -749,8 +749,10 @@ class _Wakeup:
     def __init__(self) -> None:
         self._eventfd: int | None = None
         self._pair: tuple[socket.socket, socket.socket] | None = None
-        if _eventfd_write is not None:
-            self._eventfd = os.eventfd(0, os.EFD_CLOEXEC)
+        if hasattr(os, "eventfd"):
+            # Non-blocking: a write with the GIL held must never wait (the counter is at
+            # most 1 anyway: set once, read before the wakeup is reused).
+            self._eventfd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         else:  # pragma: no cover - not Linux
             self._pair = socket.socketpair()
 
@@ -764,8 +766,9 @@ class _Wakeup:
     def set(self) -> None:
         """Make the fd readable; from any thread."""
         if self._eventfd is not None:
-            assert _eventfd_write is not None
-            if _eventfd_write(self._eventfd, 1) != 0:
+            if _eventfd_write is None:  # pragma: no cover - a libc without eventfd_write
+                os.eventfd_write(self._eventfd, 1)  # releases the GIL: slower, still right
+            elif _eventfd_write(self._eventfd, 1) != 0:
                 raise OSError(ctypes.get_errno(), "eventfd_write failed")
         else:  # pragma: no cover - not Linux
             assert self._pair is not None
@@ -796,13 +799,15 @@ class _Wakeup:
 
 
 def _libc_eventfd_write() -> Callable[[int, int], int] | None:
-    """glibc's `eventfd_write`, called without releasing the GIL; None where there is none."""
+    """The C library's `eventfd_write` (glibc and musl have it), called without releasing
+    the GIL; None where there is none."""
     if not hasattr(os, "eventfd"):
         return None  # pragma: no cover - not Linux
     try:
-        libc = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.eventfd_write
+        # dlopen(NULL): the libc this process already runs on, whichever it is.
+        fn = ctypes.PyDLL(None, use_errno=True).eventfd_write
     except (OSError, AttributeError):  # pragma: no cover - a libc without it
+        LOGGER.warning("no eventfd_write in the C library: waking steps releases the GIL")
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_uint64)
     fn.restype = ctypes.c_int

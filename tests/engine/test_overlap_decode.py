@@ -75,20 +75,24 @@ async def test_overlap_gives_the_same_tokens_and_frees_every_cell() -> None:
 
 @pytest.mark.parametrize("overlap", [True, False])
 async def test_the_kv_count_follows_a_decoding_sequence(overlap: bool) -> None:
-    # A lone request: its cells are its prompt and every token fed back so far (decoding
-    # ahead counts a token's cell once its decode has run, which may already be the case
-    # for the token just delivered).
+    # A lone request: its cells are its prompt and every token fed back so far. Read as
+    # each token is delivered (in the scheduler, before it plans the next step), decoding
+    # ahead may already have decoded the token just delivered: one cell more.
     config = EngineConfig(
         context_length=1024, max_running_requests=2, threads=1, overlap_decode=overlap
     )
     async with engine.open_engine(config) as eng:
         stream = eng.submit(request(0, max_new_tokens=40, ignore_eos=True))
         seen: list[tuple[int, int]] = []
+
+        def on_item(_index: int, item: engine.Output) -> bool:
+            if isinstance(item, Frame):
+                fed_back = stream.prompt_tokens + item.completion_tokens - 1
+                seen.append((eng.stats().kv_used_cells - fed_back, item.completion_tokens))
+            return False
+
         async with stream:
-            async for item in stream:
-                if isinstance(item, Frame):
-                    fed_back = stream.prompt_tokens + item.completion_tokens - 1
-                    seen.append((eng.stats().kv_used_cells - fed_back, item.completion_tokens))
+            await engine.collect_redirected([stream], on_item)
         assert len(seen) > 30
         assert all(extra in ((0, 1) if overlap else (0,)) for extra, _ in seen), seen
         with trio.fail_after(10):
