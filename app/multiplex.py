@@ -81,18 +81,19 @@ class MultiplexedBody(ResponseBody):
         stream has ended (or the body was closed). A stream with a deadline
         (`RequestStream.set_deadline`) that has passed ends there with its 408 `Done`, in
         the same backlog as the items that waited."""
+        # Streams only finish meanwhile, which can only put the earliest deadline later.
+        deadline = self._deadline() if self._unfinished else math.inf
         if self._items:
             # Items waited while the body was writing: let the engine run first, as a
             # channel's receive would, so that a busy engine's next items may join this write.
             await trio.lowlevel.checkpoint()
         elif self._unfinished and not self._left:
-            deadline = self._deadline()
             if deadline == math.inf:
                 await self._wait()
             else:
                 with trio.move_on_at(deadline):
                     await self._wait()
-        if self._unfinished and self._deadline() <= trio.current_time():
+        if deadline != math.inf and self._unfinished and deadline <= trio.current_time():
             for stream in self._streams:
                 stream.time_out()  # each unfinished one past its deadline hands us its 408
         if not self._items and self._unfinished and not self._left:
@@ -127,9 +128,7 @@ class MultiplexedBody(ResponseBody):
         if self._left:
             return  # close() has aborted what was unfinished
         self._items.append((index, item))
-        if self._waiter is not None:
-            task, self._waiter = self._waiter, None
-            trio.lowlevel.reschedule(task)
+        self._wake()
 
     def close(self) -> None:
         """Abort every unfinished request and stop receiving (a waiting `next_backlog`
@@ -138,6 +137,10 @@ class MultiplexedBody(ResponseBody):
         for stream in self._streams:
             stream.close()
         self._items.clear()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Reschedule the body's task if it waits in `_wait`."""
         if self._waiter is not None:
             task, self._waiter = self._waiter, None
             trio.lowlevel.reschedule(task)

@@ -586,7 +586,7 @@ class LlamaRunner:
     def _count_kv(self, seq_ids: Iterable[int] | None = None) -> None:
         """Refresh the per-slot KV counts from llama.cpp (compute thread only): of `seq_ids`,
         or of every slot. A step refreshes only the slots it computed (not those whose token
-        was decoded ahead: `_launch_ahead` counts them): two calls per slot across the
+        was decoded ahead: `_decode_ahead` counts them): two calls per slot across the
         ctypes boundary are not worth spending between one decode and the next."""
         cells = dict(self._slot_cells)
         for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)) if seq_ids is None else seq_ids:
@@ -696,7 +696,6 @@ class ComputeThread:
             result = outcome.capture(fn, *args)
             if not handoff.deliver(result):
                 _free_orphan(result, orphan)  # the caller has already left
-                return
 
         self._jobs.put(job)
         try:
