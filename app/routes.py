@@ -29,6 +29,7 @@ from tributary.engine import EngineClosed, EngineError, EngineService
 
 from .admin import ADMIN_PATHS, admin_blueprint, version
 from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
+from .direct_send import DirectSend
 from .errors import engine_error_response, error_response
 from .exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
 from .generate import handle_generate
@@ -60,10 +61,14 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
         model_name = engine.config.served_model_name or engine.model_info.name
         state.metrics = Metrics(engine, model_name=model_name)
     state.attach(app)
-    app.asgi_app = ObserveExchanges(  # type: ignore[method-assign, assignment]
-        ShieldFinalSend(CloseOwned(app.asgi_app)),
-        state.metrics,
-        log_requests=settings.log_requests,
+    # Outermost, DirectSend makes Hypercorn's socket writes skip its lock and send_all when
+    # the socket takes them at once (app/direct_send.py).
+    app.asgi_app = DirectSend(  # type: ignore[method-assign, assignment]
+        ObserveExchanges(
+            ShieldFinalSend(CloseOwned(app.asgi_app)),
+            state.metrics,
+            log_requests=settings.log_requests,
+        )
     )
     app.register_blueprint(admin_blueprint(engine, state))
     app.register_blueprint(openai_blueprint(engine, settings))

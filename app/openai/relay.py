@@ -89,6 +89,9 @@ class _Relayed:
     async def __anext__(self) -> bytes:
         if self._ended:
             raise StopAsyncIteration
+        # httpx hands over what one receive brought without yielding, and the write of each
+        # chunk may not yield either (app/direct_send.py): a burst must not hold the loop.
+        await trio.lowlevel.checkpoint()
         try:
             with trio.fail_at(self._deadline.at):
                 return await self._chunks.__anext__()

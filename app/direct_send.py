@@ -1,0 +1,140 @@
+"""`DirectSend`: Hypercorn's writes to a connection go straight to the socket when it takes them.
+
+Synopsis::
+
+    app.asgi_app = DirectSend(app.asgi_app)      # outermost: it needs Hypercorn's own `send`
+
+Hypercorn's trio worker writes every piece of a response (the head, each body message, the
+end of the body) with `TCPServer.protocol_send`: it takes the connection's send lock and
+calls `SocketStream.send_all`, which yields to Trio's run loop twice (the lock's checkpoint,
+the socket's). Those passes cost about 20 µs of CPU a write on these machines, more than the
+`write` itself; a token stream writes once per token, and on two cores that CPU is taken
+from llama.cpp's decode.
+
+For the length of each exchange on a plain-TCP HTTP/1.1 connection, this middleware gives
+Hypercorn's h11 protocol a writer that first tries one non-blocking `write` to the socket,
+when no other write is under way (the lock is free), and returns without yielding if the
+socket took all of it. Otherwise (the socket's buffer is full, the connection is closed or
+broken, another write holds the lock) what is left goes through `protocol_send` as before:
+the lock, a shielded `send_all`, and Hypercorn's handling of a connection that broke. A
+write begun is always finished, shielded from cancellation like Hypercorn's own. An empty
+write (h11's end of a Content-Length body) is skipped: the bytes h11 produced all went out.
+
+Everything above the socket stays Hypercorn's and h11's (framing, keep-alive and idle
+timers, the events middlewares see); only the last step changes. When the exchange ends the
+protocol gets its own `send` back, so nothing of Tributary's stays attached to a connection
+(Hypercorn's connection objects only go away with the cycle collector). The internals this
+relies on are checked, never assumed, and only the Hypercorn versions it was written
+against (`HYPERCORN_VERSIONS`) get it: under any other server (Quart's test client, TLS,
+HTTP/2, another Hypercorn) writes take the usual path.
+
+A direct write is not a checkpoint, so a body that produced chunks without ever waiting
+would not yield between them. Tributary's do wait: for their engine (`MultiplexedBody`), or
+for a worker's next bytes (the fleet's relay, which checkpoints between chunks).
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import trio
+from hypercorn.events import Event, RawData
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.trio.tcp_server import TCPServer
+
+__all__ = ["HYPERCORN_VERSIONS", "DirectSend", "DirectWriter", "h11_protocol"]
+
+ASGIApp = Any
+
+#: Hypercorn releases whose `TCPServer.protocol_send` this was checked against (its RawData
+#: branch: the lock, a shielded `send_all`, `Closed` on a broken stream).
+HYPERCORN_VERSIONS = ("0.18.",)
+
+
+def _supported() -> bool:
+    try:
+        installed = version("hypercorn")
+    except PackageNotFoundError:
+        return False
+    return os.name == "posix" and installed.startswith(HYPERCORN_VERSIONS)
+
+
+SUPPORTED = _supported()
+
+
+class DirectSend:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        protocol = h11_protocol(send) if scope["type"] == "http" else None
+        if protocol is None or isinstance(protocol.send, DirectWriter):
+            # Not Hypercorn's HTTP/1.1 over TCP; or the exchange before this one on the
+            # connection is still finishing, and gives the protocol its send back when it does.
+            await self.app(scope, receive, send)
+            return
+        writer = DirectWriter(protocol.send)
+        protocol.send = writer
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if protocol.send is writer:
+                protocol.send = writer.protocol_send
+
+
+def h11_protocol(send: Any) -> H11Protocol | None:
+    """The h11 protocol of the connection behind Hypercorn's ASGI `send`, if it is HTTP/1.1
+    over plain TCP and its `send` is `TCPServer.protocol_send` (or already a
+    `DirectWriter`); None for anything else."""
+    if not SUPPORTED:
+        return None
+    stream = getattr(send, "__self__", None)
+    if not isinstance(stream, HTTPStream):
+        return None
+    protocol = getattr(stream.send, "__self__", None)
+    if not isinstance(protocol, H11Protocol):
+        return None
+    if isinstance(protocol.send, DirectWriter):
+        return protocol
+    server = getattr(protocol.send, "__self__", None)
+    if (
+        not isinstance(server, TCPServer)
+        or getattr(protocol.send, "__func__", None) is not type(server).protocol_send
+        or not isinstance(getattr(server, "send_lock", None), trio.Lock)
+        or not isinstance(getattr(server, "stream", None), trio.SocketStream)
+    ):
+        return None
+    return protocol
+
+
+class DirectWriter:
+    """Stands in for `TCPServer.protocol_send` (bound) as the h11 protocol's `send`."""
+
+    def __init__(self, protocol_send: Any) -> None:
+        self.protocol_send = protocol_send
+        server = protocol_send.__self__
+        self._lock = server.send_lock
+        self._socket = server.stream.socket
+
+    async def __call__(self, event: Event) -> None:
+        if type(event) is RawData and not self._lock.locked():
+            data = event.data
+            if not data:
+                return
+            fd = self._socket.fileno()
+            written = 0
+            if fd >= 0:  # -1: closed; protocol_send reports it
+                try:
+                    written = os.write(fd, data)
+                except OSError:  # EAGAIN, or broken: protocol_send waits or reports it
+                    pass
+            if written == len(data):
+                return
+            if written:
+                with trio.CancelScope(shield=True):
+                    await self.protocol_send(RawData(data=data[written:]))
+                return
+        await self.protocol_send(event)

@@ -1,0 +1,252 @@
+"""DirectSend: Hypercorn's writes go straight to the socket when it takes them at once, and
+what reaches the client is exactly what Hypercorn would have sent.
+
+The responses are read with h11, which rejects any framing error, from a real Hypercorn;
+keep-alive must survive (Hypercorn's and h11's state stayed right).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+import h11
+import pytest
+import trio
+from apphelpers import Server, greedy, parse_sse
+from hypercorn.trio.tcp_server import TCPServer
+
+from tributary.app import direct_send
+
+TOKENS = 64
+
+
+def stream_body(tokens: int = TOKENS, text: str = "direct") -> bytes:
+    return json.dumps({"text": text, "stream": True, "sampling_params": greedy(tokens)}).encode()
+
+
+class RawClient:
+    """One keep-alive connection, its responses parsed by h11 (client side)."""
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def connect(cls, url: str) -> RawClient:
+        return cls(await connect(url))
+
+    async def post(
+        self, path: str, body: bytes, *, pause: float = 0.0
+    ) -> tuple[h11.Response, bytes]:
+        """Send a POST; with `pause`, read the response head and then nothing for that long.
+        Returns the response and its whole body (h11 has checked the framing)."""
+        if self.h11.our_state is h11.DONE:
+            self.h11.start_next_cycle()
+        request = h11.Request(
+            method="POST",
+            target=path,
+            headers=[
+                ("host", "test"),
+                ("content-type", "application/json"),
+                ("content-length", str(len(body))),
+            ],
+        )
+        await self.sock.send(self.h11.send(request) + self.h11.send(h11.Data(data=body)))
+        await self.sock.send(self.h11.send(h11.EndOfMessage()))
+        response: h11.Response | None = None
+        data = bytearray()
+        with trio.fail_after(30):
+            while True:
+                event = self.h11.next_event()
+                if event is h11.NEED_DATA:
+                    if response is not None and pause:
+                        await trio.sleep(pause)
+                        pause = 0.0
+                    self.h11.receive_data(await self.sock.recv(1 << 16))
+                elif isinstance(event, h11.Response):
+                    response = event
+                elif isinstance(event, h11.Data):
+                    data += event.data
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    assert response is not None
+                    return response, bytes(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def connect(url: str, *, receive_buffer: int | None = None) -> trio.socket.SocketType:
+    host, port = url.removeprefix("http://").split(":")
+    sock = trio.socket.socket()
+    if receive_buffer is not None:  # before connecting: the window is agreed then
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    await sock.connect((host, int(port)))
+    return sock
+
+
+def header(response: h11.Response, name: bytes) -> bytes | None:
+    return next((v for n, v in response.headers if n == name), None)
+
+
+def check_stream(body: bytes, tokens: int = TOKENS) -> None:
+    """Every event parses; text only grows (cumulative mode); the last frame has all tokens."""
+    events = parse_sse(body.decode())
+    assert events[-1] == "[DONE]"
+    frames = events[:-1]
+    texts = [f["text"] for f in frames]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    assert frames[-1]["meta_info"]["completion_tokens"] == tokens
+    assert frames[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.fixture
+def locked_writes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The events that reach Hypercorn's `protocol_send` (its lock and `send_all`), by type."""
+    sent: Counter[str] = Counter()
+    original = TCPServer.protocol_send
+
+    async def counting(self: TCPServer, event: Any) -> None:
+        sent[type(event).__name__] += 1
+        await original(self, event)
+
+    monkeypatch.setattr(TCPServer, "protocol_send", counting)
+    return sent
+
+
+async def test_writes_skip_hypercorns_lock_and_keep_alive_holds(
+    sim_server: Server, locked_writes: Counter[str]
+) -> None:
+    client = await RawClient.connect(sim_server.url)
+    try:
+        response, body = await client.post("/generate", stream_body())
+        assert response.status_code == 200
+        assert header(response, b"transfer-encoding") == b"chunked"
+        check_stream(body)
+
+        # The same connection carries a unary request and another stream.
+        response, body = await client.post(
+            "/generate", json.dumps({"text": "then", "sampling_params": greedy(4)}).encode()
+        )
+        assert response.status_code == 200
+        assert json.loads(body)["meta_info"]["completion_tokens"] == 4
+        response, body = await client.post("/generate", stream_body(text="again"))
+        check_stream(body)
+    finally:
+        client.close()
+    # Every byte went straight to the socket; Hypercorn's other events still reach it.
+    assert locked_writes["RawData"] == 0
+    assert locked_writes["Updated"] >= 3
+
+
+async def test_short_and_refused_writes_still_give_an_intact_stream(
+    sim_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket takes part of a chunk, or nothing: the rest goes Hypercorn's way and the
+    client still reads every chunk whole, in order."""
+    calls = Counter[str]()
+
+    def flaky_write(fd: int, data: bytes) -> int:
+        calls["write"] += 1
+        if calls["write"] % 3 == 0:
+            calls["refused"] += 1
+            raise BlockingIOError
+        if len(data) > 8 and calls["write"] % 3 == 1:
+            calls["short"] += 1
+            return os.write(fd, data[: len(data) // 2])
+        return os.write(fd, data)
+
+    monkeypatch.setattr(direct_send, "os", SimpleNamespace(write=flaky_write))
+    client = await RawClient.connect(sim_server.url)
+    try:
+        for text in ("first", "second"):  # the second on the same connection
+            response, body = await client.post("/generate", stream_body(text=text))
+            assert response.status_code == 200
+            check_stream(body)
+        response, body = await client.post(
+            "/generate", json.dumps({"text": "unary", "sampling_params": greedy(4)}).encode()
+        )
+        assert json.loads(body)["meta_info"]["completion_tokens"] == 4
+    finally:
+        client.close()
+    assert calls["short"] >= 10 and calls["refused"] >= 10
+
+
+async def test_a_reader_that_pauses_gets_every_chunk_intact(
+    sim_server: Server, locked_writes: Counter[str]
+) -> None:
+    """A client that stops reading until the kernel's buffers are full, then reads on: the
+    server's writes went short and waited, and nothing was lost or torn."""
+    tokens = 1500  # cumulative frames: far more than a 4 KiB receive buffer holds
+    client = RawClient(await connect(sim_server.url, receive_buffer=4096))
+    try:
+        response, body = await client.post(
+            "/generate", stream_body(tokens, text="x" * 50), pause=0.5
+        )
+        assert response.status_code == 200
+        check_stream(body, tokens)
+    finally:
+        client.close()
+    assert locked_writes["RawData"] > 0  # the socket was full: some writes had to wait
+
+
+async def test_an_http10_client_gets_the_stream_unframed(sim_server: Server) -> None:
+    """No chunked encoding in HTTP/1.0: the body is the bare events, ended by the close."""
+    body = stream_body()
+    sock = await connect(sim_server.url)
+    received = bytearray()
+    try:
+        await sock.send(
+            b"POST /generate HTTP/1.0\r\nhost: test\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        with trio.fail_after(30):
+            while data := await sock.recv(1 << 16):
+                received += data
+    finally:
+        sock.close()
+    head, _, content = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()
+    check_stream(content)
+
+
+async def test_nothing_is_installed_outside_hypercorn() -> None:
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    assert direct_send.h11_protocol(send) is None
+    assert direct_send.h11_protocol(SimpleNamespace(__self__=object())) is None
+
+
+async def test_the_connection_gets_its_own_send_back_after_each_exchange(
+    sim_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing of Tributary's stays on a connection (Hypercorn's connections are freed by
+    the cycle collector, which would find it there)."""
+    protocols: list[Any] = []
+    find = direct_send.h11_protocol
+
+    def record(send: Any) -> Any:
+        protocol = find(send)
+        protocols.append(protocol)
+        return protocol
+
+    monkeypatch.setattr(direct_send, "h11_protocol", record)
+    client = await RawClient.connect(sim_server.url)
+    try:
+        for text in ("one", "two"):
+            _, body = await client.post("/generate", stream_body(text=text))
+            check_stream(body)
+    finally:
+        client.close()
+    assert len(protocols) == 2 and protocols[0] is protocols[1]  # one keep-alive connection
+    with trio.fail_after(5):
+        while isinstance(protocols[0].send, direct_send.DirectWriter):
+            await trio.sleep(0.01)  # the handler's last moments follow the response
+    assert protocols[0].send.__func__ is TCPServer.protocol_send
