@@ -17,7 +17,10 @@ when no other write is under way (the lock is free), and returns without yieldin
 socket took all of it. Otherwise (the socket's buffer is full, the connection is closed or
 broken, another write holds the lock) what is left goes through `protocol_send` as before:
 the lock, a shielded `send_all`, and Hypercorn's handling of a connection that broke. A
-write begun is always finished, shielded from cancellation like Hypercorn's own. An empty
+write begun is always finished, shielded from cancellation like Hypercorn's own. The lock
+keeps the bytes in order when another task writes to the connection meanwhile (Hypercorn's
+reading task answers `Expect: 100-continue` itself): it is held from before that write
+yields until it is done, and Trio hands it over first come, first served. An empty
 write (h11's end of a Content-Length body) is skipped: the bytes h11 produced all went out.
 
 Everything above the socket stays Hypercorn's and h11's (framing, keep-alive and idle
@@ -71,24 +74,29 @@ class DirectSend:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         protocol = h11_protocol(send) if scope["type"] == "http" else None
-        if protocol is None or isinstance(protocol.send, DirectWriter):
-            # Not Hypercorn's HTTP/1.1 over TCP; or the exchange before this one on the
-            # connection is still finishing, and gives the protocol its send back when it does.
+        if protocol is None:
             await self.app(scope, receive, send)
             return
-        writer = DirectWriter(protocol.send)
-        protocol.send = writer
+        # The exchange before this one on the connection may still be finishing (its
+        # response is out, its handler not yet returned): then both use its writer, and the
+        # last to end gives the protocol its own send back.
+        writer = protocol.send
+        if not isinstance(writer, DirectWriter):
+            writer = protocol.send = DirectWriter(protocol.send)
+        writer.exchanges += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            if protocol.send is writer:
+            writer.exchanges -= 1
+            if not writer.exchanges and protocol.send is writer:
                 protocol.send = writer.protocol_send
 
 
 def h11_protocol(send: Any) -> H11Protocol | None:
     """The h11 protocol of the connection behind Hypercorn's ASGI `send`, if it is HTTP/1.1
-    over plain TCP and its `send` is `TCPServer.protocol_send` (or already a
-    `DirectWriter`); None for anything else."""
+    over plain TCP and its `send` is its server's `protocol_send` (as the server's class
+    defines it at the time, so a subclass's or a test's replacement counts) or already a
+    `DirectWriter`; None for anything else."""
     if not SUPPORTED:
         return None
     stream = getattr(send, "__self__", None)
@@ -115,6 +123,7 @@ class DirectWriter:
 
     def __init__(self, protocol_send: Any) -> None:
         self.protocol_send = protocol_send
+        self.exchanges = 0  # how many exchanges use it (DirectSend's bookkeeping)
         server = protocol_send.__self__
         self._lock = server.send_lock
         self._socket = server.stream.socket

@@ -1,5 +1,5 @@
 """DirectSend: Hypercorn's writes go straight to the socket when it takes them at once, and
-what reaches the client is exactly what Hypercorn would have sent.
+what reaches the client is a correct response (framing, content, keep-alive).
 
 The responses are read with h11, which rejects any framing error, from a real Hypercorn;
 keep-alive must survive (Hypercorn's and h11's state stayed right).
@@ -18,7 +18,9 @@ from typing import Any
 import h11
 import pytest
 import trio
-from apphelpers import Server, greedy, parse_sse
+import trio.testing
+from apphelpers import Server, greedy, parse_sse, wait_until
+from hypercorn.events import RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 
 from tributary.app import direct_send
@@ -113,6 +115,8 @@ def locked_writes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     async def counting(self: TCPServer, event: Any) -> None:
         sent[type(event).__name__] += 1
+        if isinstance(event, Updated):
+            sent["idle" if event.idle else "busy"] += 1
         await original(self, event)
 
     monkeypatch.setattr(TCPServer, "protocol_send", counting)
@@ -139,9 +143,11 @@ async def test_writes_skip_hypercorns_lock_and_keep_alive_holds(
         check_stream(body)
     finally:
         client.close()
-    # Every byte went straight to the socket; Hypercorn's other events still reach it.
+    # Every byte went straight to the socket; Hypercorn's keep-alive bookkeeping still ran:
+    # each request marked the connection busy, each response's end marked it idle again.
     assert locked_writes["RawData"] == 0
-    assert locked_writes["Updated"] >= 3
+    await wait_until(lambda: locked_writes["idle"] == 3)  # the last one follows its bytes
+    assert locked_writes["busy"] == 3
 
 
 async def test_short_and_refused_writes_still_give_an_intact_stream(
@@ -195,7 +201,9 @@ async def test_a_reader_that_pauses_gets_every_chunk_intact(
     assert locked_writes["RawData"] > 0  # the socket was full: some writes had to wait
 
 
-async def test_an_http10_client_gets_the_stream_unframed(sim_server: Server) -> None:
+async def test_an_http10_client_gets_the_stream_unframed(
+    sim_server: Server, locked_writes: Counter[str]
+) -> None:
     """No chunked encoding in HTTP/1.0: the body is the bare events, ended by the close."""
     body = stream_body()
     sock = await connect(sim_server.url)
@@ -214,6 +222,7 @@ async def test_an_http10_client_gets_the_stream_unframed(sim_server: Server) -> 
     assert head.startswith(b"HTTP/1.1 200")
     assert b"transfer-encoding" not in head.lower()
     check_stream(content)
+    assert locked_writes["RawData"] == 0  # written directly all the same
 
 
 async def test_nothing_is_installed_outside_hypercorn() -> None:
@@ -222,6 +231,78 @@ async def test_nothing_is_installed_outside_hypercorn() -> None:
 
     assert direct_send.h11_protocol(send) is None
     assert direct_send.h11_protocol(SimpleNamespace(__self__=object())) is None
+
+
+async def test_an_unsupported_hypercorn_gets_its_usual_writes(
+    sim_server: Server, locked_writes: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(direct_send, "SUPPORTED", False)
+    client = await RawClient.connect(sim_server.url)
+    try:
+        _, body = await client.post("/generate", stream_body())
+    finally:
+        client.close()
+    check_stream(body)
+    assert locked_writes["RawData"] > TOKENS // 2
+
+
+class FakeServer:
+    """What a DirectWriter uses of Hypercorn's TCPServer, over one end of a socket pair."""
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.send_lock = trio.Lock()
+        self.stream = trio.SocketStream(sock)
+        self.locked: list[bytes] = []
+
+    async def protocol_send(self, event: RawData) -> None:
+        async with self.send_lock:
+            with trio.CancelScope(shield=True):
+                await self.stream.send_all(event.data)
+                self.locked.append(event.data)
+
+
+async def test_a_write_waits_its_turn_behind_another_tasks_write() -> None:
+    """Another task holds the lock (its write is under way): the writer queues behind it
+    instead of writing first, so the bytes keep their order."""
+    ours, theirs = trio.socket.socketpair()
+    server = FakeServer(ours)
+    writer = direct_send.DirectWriter(server.protocol_send)
+    received = bytearray()
+    async with trio.open_nursery() as nursery:
+        await server.send_lock.acquire()  # "100 Continue" is being written
+        nursery.start_soon(writer, RawData(data=b"response head"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.locked == []  # nothing written past the holder
+        await server.stream.send_all(b"100 continue|")
+        server.send_lock.release()
+    assert server.locked == [b"response head"]
+    await writer(RawData(data=b"|body"))  # the lock is free: straight to the socket
+    assert server.locked == [b"response head"]
+    ours.close()
+    while data := await theirs.recv(1 << 16):
+        received += data
+    assert received == b"100 continue|response head|body"
+
+
+async def test_a_write_begun_is_finished_under_cancellation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The socket took half; the caller is cancelled meanwhile; the other half still goes."""
+    ours, theirs = trio.socket.socketpair()
+    server = FakeServer(ours)
+    writer = direct_send.DirectWriter(server.protocol_send)
+    monkeypatch.setattr(
+        direct_send, "os", SimpleNamespace(write=lambda fd, data: os.write(fd, data[:4]))
+    )
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await writer(RawData(data=b"half and the rest"))
+    assert server.locked == [b" and the rest"]
+    ours.close()
+    received = b""
+    while data := await theirs.recv(1 << 16):
+        received += data
+    assert received == b"half and the rest"
 
 
 async def test_the_connection_gets_its_own_send_back_after_each_exchange(

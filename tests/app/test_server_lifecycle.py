@@ -120,7 +120,9 @@ async def test_idle_keep_alive_connection_is_closed_after_a_response(
                 response = b""
                 with trio.fail_after(5):
                     while not response.endswith(end):
-                        response += await stream.receive_some()
+                        data = await stream.receive_some()
+                        assert data, f"closed before the response ended: {response!r}"
+                        response += data
                 assert response.startswith(b"HTTP/1.1 200")
                 start = trio.current_time()
                 with trio.fail_after(3):
