@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -117,6 +118,22 @@ def parse_sse(body: str) -> list[Any]:
         payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def host_port(url: str) -> tuple[str, int]:
+    """`http://host:port` -> (host, port), for tests that open raw sockets."""
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return host, int(port)
+
+
+async def raw_socket(url: str, *, receive_buffer: int | None = None) -> trio.socket.SocketType:
+    """A Trio socket connected to `url`; `receive_buffer` sets SO_RCVBUF before connecting
+    (the TCP window is agreed then)."""
+    sock = trio.socket.socket()
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    await sock.connect(host_port(url))
+    return sock
 
 
 def greedy(max_new_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +18,7 @@ import h11
 import pytest
 import trio
 import trio.testing
-from apphelpers import Server, greedy, parse_sse, wait_until
+from apphelpers import Server, greedy, parse_sse, raw_socket, wait_until
 from hypercorn.events import RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -41,7 +40,7 @@ class RawClient:
 
     @classmethod
     async def connect(cls, url: str) -> RawClient:
-        return cls(await connect(url))
+        return cls(await raw_socket(url))
 
     async def post(
         self, path: str, body: bytes, *, pause: float = 0.0
@@ -81,15 +80,6 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
-
-
-async def connect(url: str, *, receive_buffer: int | None = None) -> trio.socket.SocketType:
-    host, port = url.removeprefix("http://").split(":")
-    sock = trio.socket.socket()
-    if receive_buffer is not None:  # before connecting: the window is agreed then
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-    await sock.connect((host, int(port)))
-    return sock
 
 
 def header(response: h11.Response, name: bytes) -> bytes | None:
@@ -189,7 +179,7 @@ async def test_a_reader_that_pauses_gets_every_chunk_intact(
     """A client that stops reading until the kernel's buffers are full, then reads on: the
     server's writes went short and waited, and nothing was lost or torn."""
     tokens = 1500  # cumulative frames: far more than a 4 KiB receive buffer holds
-    client = RawClient(await connect(sim_server.url, receive_buffer=4096))
+    client = RawClient(await raw_socket(sim_server.url, receive_buffer=4096))
     try:
         response, body = await client.post(
             "/generate", stream_body(tokens, text="x" * 50), pause=0.5
@@ -206,7 +196,7 @@ async def test_an_http10_client_gets_the_stream_unframed(
 ) -> None:
     """No chunked encoding in HTTP/1.0: the body is the bare events, ended by the close."""
     body = stream_body()
-    sock = await connect(sim_server.url)
+    sock = await raw_socket(sim_server.url)
     received = bytearray()
     try:
         await sock.send(

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import trio
-from apphelpers import greedy, running_server, server_settings, sim_config
+from apphelpers import greedy, host_port, running_server, server_settings, sim_config
 
 LIMIT = 64 * 1024
 #: How long the server may take to answer; far more than it needs.
@@ -27,8 +27,7 @@ async def server() -> AsyncIterator[str]:
 
 
 async def connect(url: str) -> trio.SocketStream:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return await trio.open_tcp_stream(host, int(port))
+    return await trio.open_tcp_stream(*host_port(url))
 
 
 async def read_response(stream: trio.SocketStream) -> tuple[int, dict[str, str], Any]:

@@ -10,7 +10,7 @@ from functools import partial
 import httpx
 import pytest
 import trio
-from apphelpers import greedy, parse_sse, server_settings, sim_config, wait_until
+from apphelpers import greedy, host_port, parse_sse, server_settings, sim_config, wait_until
 
 from tributary import app, engine
 from tributary.app import server
@@ -113,8 +113,7 @@ async def test_idle_keep_alive_connection_is_closed_after_a_response(
     # writes mostly bypass Hypercorn's send (app/direct_send.py); its timers must not.
     async with engine.open_engine(sim_config()) as eng:
         async with app.open_http_server(eng, server_settings(keep_alive_timeout=0.5)) as urls:
-            host, port = urls[0].removeprefix("http://").split(":")
-            stream = await trio.open_tcp_stream(host, int(port))
+            stream = await trio.open_tcp_stream(*host_port(urls[0]))
             async with stream:
                 await stream.send_all(request_bytes)
                 response = b""

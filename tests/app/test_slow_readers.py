@@ -18,12 +18,12 @@ timer drops the connections). It takes about 5 s.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from typing import Any
 
 import httpx
 import trio
+from apphelpers import raw_socket
 
 from tributary.engine import Engine, GenerateRequest, SamplingParams, SimLatency
 from tributary.testing import (
@@ -56,10 +56,7 @@ STALLED_BODY = {
 
 async def stalled_client(url: str, sockets: list[trio.socket.SocketType]) -> None:
     """Send a long stream request, read the first bytes of the answer, then stop reading."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = trio.socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    await sock.connect((host, int(port)))
+    sock = await raw_socket(url, receive_buffer=4096)
     body = json.dumps(STALLED_BODY).encode()
     head = (
         "POST /generate HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
