@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode each step only once the scheduler has planned it (no decoding ahead)",
     )
     p.add_argument(
+        "--max-run-decodes",
+        type=int,
+        default=defaults.max_run_decodes,
+        help="decodes a step may chain while every request is simply decoding, without the "
+        "scheduler in between (1: a step per token)",
+    )
+    p.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
         help="accept SGLang custom logit processors (runs Python code that clients send)",
@@ -208,6 +215,7 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         threads=args.threads,
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         overlap_decode=not args.disable_overlap_schedule,
+        max_run_decodes=args.max_run_decodes,
         kv_cache_dtype=args.kv_cache_dtype,
         prefix_cache_mb=args.prefix_cache_mb,
         fork_parallel_samples=not args.disable_parallel_sample_fork,

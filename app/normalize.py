@@ -186,6 +186,7 @@ def normalize_generate(
                     rid=rids[p * n + s],
                     logprobs=logprobs[p],
                     custom_logit_processor=processors[p],
+                    stream=stream,
                 )
             )
     return NormalizedGenerate(

@@ -67,6 +67,13 @@ class EngineConfig:
     #: instead of idling while the event loop commits, detokenizes and sends (SGLang's
     #: overlap scheduler, on one CPU thread). Off: each decode waits for its step's plan.
     overlap_decode: bool = True
+    #: Decodes one step may chain when every running request is simply decoding (a decode
+    #: run): the runner decodes again as soon as it has sampled, without a round trip to the
+    #: scheduler, whose task wakes for each decode only when a request streams its tokens
+    #: or has stop strings, else once at the end. A run ends early whenever the scheduler
+    #: needs a step boundary (a request arrives, is aborted, or ends), so this bounds only
+    #: how long a run of unary requests goes without the scheduler. 1 turns runs off.
+    max_run_decodes: int = 64
     #: KV cache element type: "auto" (f16, the model's usual), "f16", or "q8_0" (about half
     #: the memory; llama.cpp then uses its flash-attention kernel). SGLang's flag name.
     kv_cache_dtype: Literal["auto", "f16", "q8_0"] = "auto"
@@ -84,7 +91,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Values that would hang the scheduler or run nothing fail here, at start-up.
-        for name in ("max_running_requests", "prefill_chunk_tokens", "stream_interval"):
+        for name in (
+            "max_running_requests",
+            "prefill_chunk_tokens",
+            "stream_interval",
+            "max_run_decodes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prefill_tokens is not None and (

@@ -285,6 +285,7 @@ class Engine:
             ),
             sender=sender,
             hooks=hooks,
+            stream=request.stream,
         )
         if hooks is not None and hooks.processor is not None:
             _bind_request_view(hooks.processor, seq)

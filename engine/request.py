@@ -127,6 +127,10 @@ class GenerateRequest:
     #: SGLang's serialized `CustomLogitProcessor` (`{"callable": <dill hex>}`); refused unless
     #: the engine was configured with `enable_custom_logit_processor`.
     custom_logit_processor: str | None = None
+    #: Someone reads the frames as they come (SGLang's `stream`). False (a unary answer,
+    #: which only needs the end): frames may come later, several tokens in one, so the
+    #: engine need not wake for every token; the text, ids and timing stamps are the same.
+    stream: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,10 +15,19 @@ cache starts with that KV restored and prefills only the rest; a prompt identica
 still being prefilled waits for it and forks its KV and last logits instead of prefilling
 (parallel samples, `n > 1`). Both give exactly the tokens prefilling would have.
 
-A request that arrives while others decode joins at the next step. Aborts are marks
-(`Sequence.abort`); they take effect at the next step boundary and never touch another
-sequence. Output channels are unbounded, so a slow consumer never stalls the scheduler;
-what a consumer has not read is bounded by its own request's length.
+A step whose sequences are all simply decoding (no prompt chunk, no hooks, no
+min_new_tokens mask) is planned as a run (runners that `decodes_runs`): the runner decodes
+again and again without coming back between decodes, until a request arrives or is aborted,
+one reaches its length or samples a stop token, or `max_run_decodes`. Each decode's tokens
+are committed as they come when some request streams or has stop strings, else once, at
+the run's end: a unary request then costs the event loop nothing per token. What is
+computed is what the same steps would compute; only the scheduler's wake-ups change.
+
+A request that arrives while others decode joins at the next step (a run ends after the
+decode that is running). Aborts are marks (`Sequence.abort`); they take effect at the next
+step boundary and never touch another sequence. Output channels are unbounded, so a slow
+consumer never stalls the scheduler; what a consumer has not read is bounded by its own
+request's length.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ import collections
 import dataclasses
 import heapq
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import trio
 
@@ -49,7 +59,7 @@ from .request import (
     length_reason,
     stop_reason,
 )
-from .runners.base import KVRestore, KVSave, Runner, SeqStep, reuses_kv
+from .runners.base import DecodeRun, KVRestore, KVSave, Runner, SeqStep, decodes_runs, reuses_kv
 from .sampling import SamplingParams
 from .stream import OutputSender
 
@@ -72,12 +82,17 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         sender: OutputSender,
         hooks: LogitHooks | None = None,
+        stream: bool = True,
     ) -> None:
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.params = params
         self.max_new_tokens = max_new_tokens  # already clamped to the context
         self.stream_interval = stream_interval
+        #: Someone reads the frames as they come (`GenerateRequest.stream`); a run then
+        #: hands each decode's tokens over at once. Stop strings and regexes need the same:
+        #: the text is searched after every token.
+        self.watched = stream or bool(params.stop or params.stop_regex_patterns)
         self.detok = detokenizer
         self.sender = sender
         self.hooks = hooks
@@ -198,6 +213,11 @@ class Scheduler:
             else None
         )
         self._fork = reuse and config.fork_parallel_samples
+        self.max_run = config.max_run_decodes if decodes_runs(runner) else 1
+        #: The run the runner is decoding, if any: a change that needs a step boundary
+        #: (a request arrives or is aborted) ends it after the decode that is running.
+        self._run: DecodeRun | None = None
+        self._run_feed: Callable[[list[list[int]]], None] | None = None
         #: Cache entries that the step being run restores from (unpinned when it returns).
         self._step_pins: list[CacheEntry] = []
         #: Snapshots the step being run takes: (sequence, prefix length, where it lands).
@@ -208,11 +228,22 @@ class Scheduler:
     def enqueue(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         self._wakeup.set()
+        if self._run is not None and len(self.running) < self.max_running:
+            self._run.stop()  # admitted at the boundary right after the decode that is running
 
     def mark_abort(self, seq: Sequence, reason: FinishReason) -> None:
         """Abort `seq`: at once if it is still waiting, else at the next step boundary."""
         if seq.finished or seq.abort is not None:
             return
+        run = self._run
+        if run is not None and seq.slot is not None and self._run_feed is not None:
+            # What the run decoded before this abort counts, as single steps would have
+            # committed it by now.
+            decoded = run.take_decoded()
+            if decoded:
+                self._run_feed(decoded)
+            if seq.finished:  # that was its end
+                return
         seq.abort = reason
         # Its rid is free at once: a client that timed out may retry with the same rid
         # before the next step boundary reaps the old sequence.
@@ -224,6 +255,8 @@ class Scheduler:
             if reason["status_code"] is None:
                 reason = abort_reason("Abort in waiting queue")
             self._finish(seq, reason)
+        elif self._run is not None:
+            self._run.stop()  # reaped at the boundary right after the decode that is running
         self._wakeup.set()
 
     def queue_depth(self) -> int:
@@ -276,18 +309,30 @@ class Scheduler:
                     self._wakeup = trio.Event()
                     continue
                 plan, sampling, stepped = self._plan()
+                run = self._plan_run(plan, sampling)
                 started = trio.current_time()
+                steps = self.steps
                 try:
-                    sampled = await self.runner.step(plan)
+                    if run is None:
+                        sampled = await self.runner.step(plan)
+                    else:
+                        self._run = run
+                        self._run_feed = feed = partial(self._commit_run, sampling)
+                        await self.runner.decode_run(plan, run, feed)  # type: ignore[attr-defined]
                 except Exception as exc:
                     self._end_step(ok=False)
                     self._fail_step(plan, exc)
                     continue
                 finally:
-                    self.step_times.append(trio.current_time() - started)
+                    self._run = self._run_feed = None
+                    # A run's decodes are steps (they count one each in _commit_run).
+                    decodes = max(self.steps - steps, 1)
+                    elapsed = trio.current_time() - started
+                    self.step_times.extend([elapsed / decodes] * min(decodes, STEP_WINDOW))
                 self._end_step(ok=True)
-                self.steps += 1
-                self._commit(sampling, sampled, stepped)
+                if run is None:
+                    self.steps += 1
+                    self._commit(sampling, [sampled], stepped)
         finally:
             self._shutdown()
 
@@ -426,6 +471,41 @@ class Scheduler:
             fork.leader = None
         return plan, sampling, stepped
 
+    def _plan_run(self, plan: list[SeqStep], sampling: list[Sequence]) -> DecodeRun | None:
+        """A run for this plan if every entry is a plain decode; None for a single step.
+        (Requests still waiting here wait for a slot: the run ends when one frees.)"""
+        if self.max_run < 2 or len(plan) != len(sampling):
+            return None
+        limit = self.max_run
+        watched = False
+        stop_ids: list[frozenset[int]] = []
+        for entry, seq in zip(plan, sampling, strict=True):
+            if (
+                entry.hooks is not None
+                or entry.suppress
+                or not seq.output_ids  # a prompt's one-token last chunk, not a decode
+                or seq.abort is not None
+            ):
+                return None
+            # Each of its tokens up to its length is an ordinary token (length comes first).
+            limit = min(limit, seq.max_new_tokens - len(seq.output_ids))
+            watched = watched or seq.watched
+            params = seq.params
+            stop_ids.append(_NOTHING if params.ignore_eos else self._eos | params.stop_token_ids)
+        if limit < 2:
+            return None
+        return DecodeRun(limit=limit, stop_ids=stop_ids, wake_each=watched)
+
+    def _commit_run(self, sampling: list[Sequence], decodes: list[list[int]]) -> None:
+        """A run's feed: commit decodes as the runner hands them over (in the scheduler's
+        task). A request that ends meanwhile is released at once (the runner decodes its
+        slot no further); if others wait for a slot, the run ends for them to be admitted."""
+        running = len(self.running)
+        self.steps += len(decodes)
+        self._commit(sampling, decodes, ())
+        if len(self.running) < running and self.waiting and self._run is not None:
+            self._run.stop()
+
     def _plan_restore(self, seq: Sequence) -> KVRestore | None:
         hit, seq.pending_restore = seq.pending_restore, None
         if hit is None:
@@ -476,9 +556,13 @@ class Scheduler:
         return seq.prompt_ids[first + 1 : last + 1], first - start
 
     def _commit(
-        self, sampling: list[Sequence], sampled: list[int], stepped: list[Sequence]
+        self,
+        sampling: list[Sequence],
+        decodes: list[list[int]],
+        stepped: Iterable[Sequence],
     ) -> None:
-        self.generated_tokens += len(sampled)
+        """Commit the tokens of one or more decodes (oldest first; one token per sequence in
+        `sampling`, -1 for none) and send each sequence's frame once they are in."""
         now = trio.current_time()
         for seq in stepped:
             if seq.abort is None and seq.hooks is not None and seq.hooks.failure is not None:
@@ -489,23 +573,31 @@ class Scheduler:
                 and seq.prefilled == len(seq.prompt_ids)
             ):
                 self._finish(seq, length_reason(0))  # prompt scored, nothing to generate
-        for seq, token in zip(sampling, sampled, strict=True):
-            if seq.abort is not None or seq.finished:
-                # Aborted: reaped at the next boundary; its token is dropped, and so is the
-                # logprob the runner already scored for it.
-                if seq.hooks is not None and seq.hooks.logprobs is not None:
-                    seq.hooks.logprobs.drop_last_output()
-                continue
-            if not seq.output_ids:
-                seq.first_token_at = now
-            seq.output_ids.append(token)
-            try:
-                reason = self._check_finished(seq, token)
-            except BadRequest as exc:  # the request's own stop_regex failed on its output
-                reason = abort_reason(exc.message, status_code=400, err_type="BadRequestError")
-            if reason is not None:
-                self._finish(seq, reason)
-            elif len(seq.output_ids) - seq.emitted_ids >= seq.stream_interval:
+        for sampled in decodes:
+            self.generated_tokens += len(sampled) - sampled.count(-1)
+            for seq, token in zip(sampling, sampled, strict=True):
+                if seq.abort is not None or seq.finished:
+                    # Aborted: reaped at the next boundary; its token is dropped, and so is
+                    # the logprob the runner already scored for it.
+                    if seq.hooks is not None and seq.hooks.logprobs is not None:
+                        seq.hooks.logprobs.drop_last_output()
+                    continue
+                if not seq.output_ids:
+                    seq.first_token_at = now
+                seq.output_ids.append(token)
+                try:
+                    reason = self._check_finished(seq, token)
+                except BadRequest as exc:  # the request's own stop_regex failed on its output
+                    reason = abort_reason(exc.message, status_code=400, err_type="BadRequestError")
+                if reason is not None:
+                    self._finish(seq, reason)
+        for seq in sampling:
+            # Once per token of every running request: kept to the plain attribute reads.
+            if (
+                not seq.finished
+                and seq.abort is None
+                and len(seq.output_ids) - seq.emitted_ids >= seq.stream_interval
+            ):
                 seq.emit_frame()
 
     def _check_finished(self, seq: Sequence, token: int) -> FinishReason | None:

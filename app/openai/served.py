@@ -134,6 +134,7 @@ class ServedModel:
                         rid=rids[p * req.n + s],
                         logprobs=req.logprobs,
                         custom_logit_processor=req.custom_logit_processor,
+                        stream=req.stream,
                     )
                 )
         return items

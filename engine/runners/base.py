@@ -2,13 +2,14 @@
 
 The scheduler owns all request state; a runner owns the model, the KV cache and one sampler
 per sequence, and knows nothing of requests, rids or channels. One scheduler task calls the
-runner, so a runner never sees two calls at once.
+runner, so a runner never sees two calls at once, but for one case: while a `decode_run`
+goes on, its feed (the scheduler committing tokens) may close sequences that ended.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ..grammar import Grammars
@@ -16,7 +17,17 @@ from ..logits import LogitHooks
 from ..request import ModelInfo, hot_record
 from ..sampling import SamplingParams
 
-__all__ = ["KVRestore", "KVSave", "KVState", "Runner", "SeqStep", "reuses_kv"]
+__all__ = [
+    "DecodeRun",
+    "KVRestore",
+    "KVSave",
+    "KVState",
+    "RunFeed",
+    "Runner",
+    "SeqStep",
+    "decodes_runs",
+    "reuses_kv",
+]
 
 
 class KVState(Protocol):
@@ -79,6 +90,50 @@ class SeqStep:
     fork_from: int | None = None
 
 
+class DecodeRun:
+    """A step that goes on decoding: after its first tokens are sampled, every entry is fed
+    its own sampled token and sampled again, decode after decode, with nothing planned in
+    between, until the run ends. What the engine asks of a runner that `decodes_runs`.
+
+    The plan of a run holds only decodes (one token each, `sample=True`, no `suppress`, no
+    `hooks`, no KV reuse), so every decode of it is what the next step's plan would have
+    been, computed in the same batch; tokens come out as steps would give them.
+
+    The run ends after the decode in which any of these holds: `limit` decodes have been
+    made (the first included); some entry sampled a token in its `stop_ids` (it ends its
+    request: nothing after it would be kept); `stop()` was called (by the scheduler, from the
+    event loop: a request arrived or was aborted, the engine is closing). An entry whose
+    sequence the scheduler closes during the run (`close_sequence`) is decoded no further.
+    """
+
+    __slots__ = ("limit", "stop_ids", "stopped", "take_decoded", "wake_each")
+
+    def __init__(self, *, limit: int, stop_ids: Sequence[frozenset[int]], wake_each: bool) -> None:
+        #: Decodes at most, the first included (at least 2).
+        self.limit = limit
+        #: Per entry, in plan order: tokens after which the run ends.
+        self.stop_ids = stop_ids
+        #: Hand each decode's tokens over as soon as it is sampled (some request streams
+        #: them, or has stop strings to check); else at the end of the run, all together.
+        self.wake_each = wake_each
+        self.stopped = False
+        #: Set by the runner: takes the decodes sampled but not yet handed to the feed (in
+        #: the scheduler's task; they then never reach the feed). The scheduler commits them
+        #: before it marks a request of the run aborted, so that the tokens decoded before
+        #: an abort are kept, as single steps would have committed them.
+        self.take_decoded: Callable[[], list[list[int]]] = list
+
+    def stop(self) -> None:
+        """End the run after the decode that is running (from any thread)."""
+        self.stopped = True
+
+
+#: What a runner hands the engine's scheduler from a run: the tokens of one or more decodes,
+#: oldest first, each one token per plan entry in plan order (-1 for an entry closed
+#: meanwhile). Called in the scheduler's task; it must not block.
+RunFeed = Callable[[list[list[int]]], None]
+
+
 class Runner(Protocol):
     info: ModelInfo
 
@@ -120,6 +175,15 @@ class Runner(Protocol):
     def close(self) -> None:
         """Free the model. Called once, after the last step has returned."""
         ...
+
+
+def decodes_runs(runner: Runner) -> bool:
+    """Whether `runner` has `decode_run(plan, run, feed)` (an optional part of the contract,
+    said with a true `decodes_runs` attribute): a step that goes on decoding until the run
+    ends (`DecodeRun`), handing each decode's tokens to `feed` as the run says, without
+    returning to the scheduler between decodes. The engine then plans a run whenever every
+    running sequence is simply decoding; other runners get one `step` per token."""
+    return bool(getattr(runner, "decodes_runs", False))
 
 
 def reuses_kv(runner: Runner) -> bool:

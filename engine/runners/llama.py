@@ -48,7 +48,7 @@ from ..grammar import Grammars
 from ..kv_memory import KV_DTYPES, check_memory, describe_bytes, mem_available
 from ..request import ModelInfo
 from ..sampling import SamplingParams
-from .base import KVRestore, SeqStep
+from .base import DecodeRun, KVRestore, RunFeed, SeqStep
 
 __all__ = [
     "MAX_GRAPH_TOKENS",
@@ -267,18 +267,20 @@ class LlamaRunner:
         self._opened.add(seq_id)
 
     def close_sequence(self, seq_id: int) -> None:
-        # A decode launched ahead may be running on the compute thread, so the KV removal is
-        # queued behind it (jobs run in order, so before the next step's); the slot counts as
-        # empty from now on. Samplers are only used by step jobs, never running now.
+        # A decode launched ahead, or a run, may be going on on the compute thread: the KV
+        # removal and the sampler's free are queued behind it (jobs run in order, so before
+        # the next step's), and the slot counts as empty from now on. A run reads a slot's
+        # sampler from `_samplers` before each decode, so one closed meanwhile is decoded
+        # no further, and the chain it may hold stays valid until this job frees it.
+        self._freeing.add(seq_id)  # first: a run that finds no sampler then sees it freeing
         chain = self._samplers.pop(seq_id, None)
         self._argmax.discard(seq_id)
-        if chain is not None:
-            llama_cpp.llama_sampler_free(chain)
-        self._freeing.add(seq_id)
-        compute_thread().submit(self._free_slot, seq_id)
+        compute_thread().submit(self._free_slot, seq_id, chain)
 
-    def _free_slot(self, seq_id: int) -> None:
+    def _free_slot(self, seq_id: int, chain: ctypes.c_void_p | None = None) -> None:
         try:
+            if chain is not None:
+                llama_cpp.llama_sampler_free(chain)
             llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
             self._count_kv()
         finally:
@@ -329,7 +331,95 @@ class LlamaRunner:
     async def step(self, plan: Sequence[SeqStep]) -> list[int]:
         return await compute_thread().run(self._step_sync, plan)
 
-    def _step_sync(self, plan: Sequence[SeqStep]) -> list[int]:
+    #: Takes `decode_run` (engine/runners/base.py, `DecodeRun`).
+    decodes_runs = True
+
+    async def decode_run(self, plan: Sequence[SeqStep], run: DecodeRun, feed: RunFeed) -> None:
+        """The whole run is one job on the compute thread: it decodes again as soon as a
+        decode's tokens are sampled and handed over, and the event loop wakes only when the
+        run says so (`run.wake_each`) or when it ends."""
+
+        def expose(take: Callable[[], list[Any]]) -> None:
+            run.take_decoded = take
+
+        await compute_thread().run(
+            self._run_sync, plan, run, feed=feed, interrupt=run.stop, published=expose
+        )
+
+    def _run_sync(
+        self, plan: Sequence[SeqStep], run: DecodeRun, publish: Callable[[list[int], bool], None]
+    ) -> None:
+        tokens = self._step_sync(plan, launch_ahead=False)
+        wake = run.wake_each
+        publish(tokens, wake)
+        n = len(plan)
+        seq_ids = [s.seq_id for s in plan]
+        #: Each entry's next position: its sampled token goes there; its slot holds that
+        #: many cells once the token is decoded.
+        positions = [s.start_pos + 1 for s in plan]
+        live = sorted(range(n), key=seq_ids.__getitem__)  # llama.cpp wants ascending ids
+        samplers, argmax, freeing, stops = self._samplers, self._argmax, self._freeing, run.stop_ids
+        batch = self._batch
+        b_token, b_pos, b_n_seq, b_seq, b_logits = _batch_fields(batch)
+        decodes = 1
+        while (
+            decodes < run.limit
+            and not run.stopped
+            and not any(t in stop for t, stop in zip(tokens, stops, strict=True))
+        ):
+            # A slot the scheduler closed meanwhile (its request ended) is decoded no further.
+            live = [k for k in live if tokens[k] >= 0 and seq_ids[k] not in freeing]
+            if not live:
+                return
+            for b, k in enumerate(live):
+                b_token[b] = tokens[k]
+                b_pos[b] = positions[k]
+                b_n_seq[b] = 1
+                b_seq[b][0] = seq_ids[k]
+                b_logits[b] = 1
+            batch.n_tokens = len(live)
+            rc = llama_cpp.llama_decode(self._ctx, batch)
+            if rc != 0:
+                raise RunnerFailure(f"llama_decode failed with status {rc}")
+            # Each slot now ends at its entry's position (every sequence starts at 0).
+            cells = dict(self._slot_cells)
+            for k in live:
+                if seq_ids[k] not in freeing:
+                    cells[seq_ids[k]] = positions[k] + 1
+            self._slot_cells = cells
+            if run.stopped:
+                # Stopped while this decode ran (a request arrived, or one ended): leave its
+                # logits unsampled, as a decode launched ahead, for the step the scheduler
+                # plans next, which asks for exactly these entries.
+                self._ahead = _DecodeAhead(
+                    {(seq_ids[k], tokens[k], positions[k]): b for b, k in enumerate(live)}
+                )
+                return
+            sampled = [-1] * n
+            for b, k in enumerate(live):
+                positions[k] += 1
+                seq_id = seq_ids[k]
+                chain = samplers.get(seq_id)
+                if chain is None:
+                    continue  # closed since the decode began: its token is nobody's
+                if seq_id in argmax:
+                    sampled[k] = int(np.argmax(self._row(b)))
+                else:
+                    sampled[k] = int(llama_cpp.llama_sampler_sample(chain, self._ctx, b))
+            tokens = sampled
+            decodes += 1
+            publish(tokens, wake)
+        if self._overlap:
+            eog = self.info.eos_token_ids
+            nxt = [
+                (seq_ids[k], tokens[k], positions[k])
+                for k in live
+                if tokens[k] >= 0 and tokens[k] not in eog
+            ]
+            if nxt:
+                compute_thread().submit(self._decode_ahead, nxt)
+
+    def _step_sync(self, plan: Sequence[SeqStep], *, launch_ahead: bool = True) -> list[int]:
         """One decode for all single-token entries, then the prompt chunks: those of one
         length together, up to `graph_tokens` prompt tokens a decode.
 
@@ -390,7 +480,7 @@ class LlamaRunner:
             for k in range(0, len(members), per_decode):
                 self._decode(plan, members[k : k + per_decode], sampled, forks)
         nxt: list[tuple[int, int, int]] = []
-        if self._overlap and sampled:
+        if launch_ahead and self._overlap and sampled:
             # Every sequence that got a token will decode it next step unless it finishes:
             # start that decode now, so llama.cpp's threads never wait for the event loop.
             # (An end-of-generation token usually finishes its sequence: not worth decoding.)
@@ -413,14 +503,7 @@ class LlamaRunner:
         if not entries or self._closed:
             return
         batch = self._batch
-        # Each read of a pointer field builds a ctypes object: read each once.
-        tokens, positions, n_seq_ids, seq_ids, logits = (
-            batch.token,
-            batch.pos,
-            batch.n_seq_id,
-            batch.seq_id,
-            batch.logits,
-        )
+        tokens, positions, n_seq_ids, seq_ids, logits = _batch_fields(batch)
         outputs: dict[tuple[int, int, int], int] = {}
         for n, entry in enumerate(sorted(entries)):
             seq_id, tokens[n], positions[n] = entry
@@ -670,9 +753,26 @@ class ComputeThread:
 
     @trio.lowlevel.enable_ki_protection
     async def run(
-        self, fn: Callable[..., _T], *args: Any, orphan: Callable[[_T], object] | None = None
+        self,
+        fn: Callable[..., _T],
+        *args: Any,
+        orphan: Callable[[_T], object] | None = None,
+        feed: Callable[[list[Any]], None] | None = None,
+        interrupt: Callable[[], None] | None = None,
+        published: Callable[[Callable[[], list[Any]]], None] | None = None,
     ) -> _T:
         """Run `fn(*args)` on the compute thread and return its result.
+
+        With `feed`, `fn` is called with one more argument, `publish(item, wake)`, to hand
+        items over while it runs: each reaches `feed` (a list of the items published since
+        the last call, in order) in the caller's task, at once if `wake`, else with the next
+        item that wakes or with the result, and always before the result is returned. If
+        `feed` raises, the call is interrupted and waited for, then the error is raised here.
+        `interrupt` is called (on the event loop) when the caller is cancelled or leaves, for
+        a long call that can end early: the call is still waited for. `published(take)` is
+        called once, before the call is queued, with a function that takes the items
+        published so far and not yet fed, at once (they then never reach `feed`), for the
+        caller's task to call between feeds.
 
         Cancellation waits for the call to finish (a decode takes at most a step), then takes
         effect at the caller's next checkpoint: the model is never freed under a running
@@ -691,28 +791,56 @@ class ComputeThread:
         """
         wakeup = _Wakeup.take()
         handoff: _Handoff[_T] = _Handoff(wakeup)  # not _Handoff[_T](): typing's call is slow
+        call_args = (*args, handoff.publish) if feed is not None else args
+        if published is not None:
+            published(handoff.take_published)
 
         def job() -> None:
-            result = outcome.capture(fn, *args)
+            result = outcome.capture(fn, *call_args)
             if not handoff.deliver(result):
                 _free_orphan(result, orphan)  # the caller has already left
 
         self._jobs.put(job)
+        shielded = False
+        failure: Exception | None = None
         try:
-            try:
-                await wakeup.wait()
-            except trio.Cancelled:
-                # Wait for the call all the same; the cancellation stays pending in its scope
-                # and takes effect at the caller's next checkpoint. (A shielded scope around
-                # every wait would do the same, at a cost on every step.)
-                with trio.CancelScope(shield=True):
-                    await wakeup.wait()
+            while True:
+                if shielded:
+                    with trio.CancelScope(shield=True):
+                        await wakeup.wait()
+                else:
+                    try:
+                        await wakeup.wait()
+                    except trio.Cancelled:
+                        # Wait for the call all the same; the cancellation stays pending in
+                        # its scope and takes effect at the caller's next checkpoint. (A
+                        # shielded scope around every wait would do the same, at a cost on
+                        # every step.)
+                        shielded = True
+                        if interrupt is not None:
+                            interrupt()
+                        with trio.CancelScope(shield=True):
+                            await wakeup.wait()
+                items, result = handoff.take()
+                if items and feed is not None and failure is None:
+                    try:
+                        feed(items)
+                    except Exception as exc:
+                        failure = exc
+                        if interrupt is not None:
+                            interrupt()
+                if result is not None:
+                    break
         except BaseException:
+            if interrupt is not None:
+                interrupt()
             self._leave(handoff, wakeup, orphan)
             raise
-        result = handoff.abandon()
+        handoff.abandon()
         wakeup.give_back()
-        assert result is not None, "woken only after delivery"
+        if failure is not None:
+            raise failure
+        assert result is not None, "the loop ends with the result"
         return result.unwrap()
 
     def _leave(
@@ -817,16 +945,29 @@ _eventfd_write = _libc_eventfd_write()
 
 
 class _Handoff(Generic[_T]):
-    """One result passed from the compute thread to a waiting Trio task, or left behind
-    when that task has gone: whichever side comes second sees what the other did. The
-    waiter is woken under the same lock, so never once it has abandoned the handoff (it
-    may then close its wakeup's fd)."""
+    """What the compute thread passes to a waiting Trio task: items published while a call
+    runs, then its result; or left behind when that task has gone: whichever side comes
+    second sees what the other did. The waiter is woken under the same lock, so never once
+    it has abandoned the handoff (it may then close its wakeup's fd), and at most once per
+    `take` (the eventfd is not written again while a wakeup is pending)."""
 
     def __init__(self, wakeup: _Wakeup) -> None:
         self._lock = threading.Lock()
         self._result: outcome.Outcome[_T] | None = None
+        self._items: list[Any] = []
+        self._woken = False
         self._abandoned = False
         self._wakeup = wakeup
+
+    def publish(self, item: Any, wake: bool) -> None:
+        """Queue `item` for the waiter, waking it if `wake` (compute thread)."""
+        with self._lock:
+            if self._abandoned:
+                return
+            self._items.append(item)
+            if wake and not self._woken:
+                self._woken = True
+                self._wakeup.set()
 
     def deliver(self, result: outcome.Outcome[_T]) -> bool:
         """Hand `result` over and wake the waiter; False if the waiter has already left
@@ -835,14 +976,32 @@ class _Handoff(Generic[_T]):
             if self._abandoned:
                 return False
             self._result = result
-            self._wakeup.set()
+            if not self._woken:
+                self._woken = True
+                self._wakeup.set()
             return True
+
+    def take(self) -> tuple[list[Any], outcome.Outcome[_T] | None]:
+        """For a waiter just woken: the items published since the last take, and the result
+        if it has been delivered."""
+        with self._lock:
+            items, self._items = self._items, []
+            self._woken = False
+            return items, self._result
+
+    def take_published(self) -> list[Any]:
+        """The items published since the last take, without waiting for a wakeup (the one
+        that may be pending then finds them gone)."""
+        with self._lock:
+            items, self._items = self._items, []
+            return items
 
     def abandon(self) -> outcome.Outcome[_T] | None:
         """Take what was delivered (None if nothing yet); nothing is delivered after this."""
         with self._lock:
             self._abandoned = True
             result, self._result = self._result, None
+            self._items = []
             return result
 
 
@@ -957,6 +1116,12 @@ class _DecodeAhead:
 
     def __init__(self, outputs: dict[tuple[int, int, int], int]) -> None:
         self.outputs = outputs
+
+
+def _batch_fields(batch: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """A `llama_batch`'s token, pos, n_seq_id, seq_id and logits arrays. Each read of a
+    pointer field builds a ctypes object: read each once per decode, not per entry."""
+    return batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
 
 
 def _key(s: SeqStep) -> tuple[int, int, int]:

@@ -12,6 +12,9 @@ Synopsis::
 - Each step sleeps on Trio's clock for the cost `SimLatency` gives, so under
   `autojump_clock` latencies are exact.
 - `fail_at_step=N` makes step N raise RunnerFailure, for fault tests.
+- Decode runs (`decodes_runs`): each decode of a run costs what a step of the same entries
+  would, and counts as a step (for `fail_at_step`); its tokens are fed after each decode when
+  the run wakes for each, else all at the run's end, as the llama runner hands them over.
 - KV reuse (`reuses_kv`): a snapshot is the tokens fed so far (`kv_bytes_per_token` each, for
   the prefix cache's bound); restoring and forking cost no time, and output after them is
   what prefilling would have given, as on the real model.
@@ -35,7 +38,7 @@ from ..config import SimLatency
 from ..errors import RunnerFailure
 from ..request import ModelInfo
 from ..sampling import SamplingParams
-from .base import KVRestore, SeqStep
+from .base import DecodeRun, KVRestore, RunFeed, SeqStep
 
 __all__ = ["SimRunner"]
 
@@ -131,6 +134,47 @@ class SimRunner:
                     s.hooks.sampled(row, token)
                 sampled.append(token)
         return sampled
+
+    decodes_runs = True
+
+    async def decode_run(self, plan: Sequence[SeqStep], run: DecodeRun, feed: RunFeed) -> None:
+        tokens = await self.step(plan)
+        held = [tokens]
+
+        def take_decoded() -> list[list[int]]:
+            taken = held[:]
+            held.clear()
+            return taken
+
+        run.take_decoded = take_decoded
+        decodes = 1
+        live = list(range(len(plan)))
+        try:
+            while (
+                decodes < run.limit
+                and not run.stopped
+                and not any(t in stop for t, stop in zip(tokens, run.stop_ids, strict=True))
+            ):
+                if run.wake_each:
+                    feed(take_decoded())
+                    if run.stopped:  # the feed may end the run (a request finished, say)
+                        break
+                live = [k for k in live if plan[k].seq_id in self._seqs and tokens[k] >= 0]
+                if not live:
+                    break
+                entries = [
+                    SeqStep(plan[k].seq_id, [tokens[k]], plan[k].start_pos + decodes, True)
+                    for k in live
+                ]
+                sampled = iter(await self.step(entries))
+                tokens = [-1] * len(plan)
+                for k in live:
+                    tokens[k] = next(sampled)
+                held.append(tokens)
+                decodes += 1
+        finally:
+            if held:  # what was decoded before a failure is handed over first, as llama's is
+                feed(take_decoded())
 
     def kv_used_cells(self) -> int:
         return sum(seq.kv_len for seq in self._seqs.values())
