@@ -34,21 +34,38 @@ HTTP/2, another Hypercorn) writes take the usual path.
 A direct write is not a checkpoint, so a body that produced chunks without ever waiting
 would not yield between them. Tributary's do wait: for their engine (`MultiplexedBody`), or
 for a worker's next bytes (the fleet's relay, which checkpoints between chunks).
+
+`BodyChunks` goes one step further for a streamed body, from synchronous code: once the
+response head is out and the body's task is waiting for the engine (so no other write of the
+exchange is under way), a token's event can be framed by h11's own body writer and written
+at the moment the engine delivers it, without waking the body's task and passing the chunk
+through Quart's response loop, the ASGI middlewares and Hypercorn's stream (none of which
+does anything with a body chunk but hand it on). Whatever the socket does not take at once
+goes back to the body's task, which sends it through the usual path.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import h11
 import trio
 from hypercorn.events import Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
-__all__ = ["HYPERCORN_VERSIONS", "DirectSend", "DirectWriter", "h11_protocol"]
+__all__ = [
+    "HYPERCORN_VERSIONS",
+    "BodyChunks",
+    "DirectSend",
+    "DirectWriter",
+    "body_chunks",
+    "h11_protocol",
+]
 
 ASGIApp = Any
 
@@ -84,12 +101,25 @@ class DirectSend:
         if not isinstance(writer, DirectWriter):
             writer = protocol.send = DirectWriter(protocol.send)
         writer.exchanges += 1
+        token = _BODY_CHUNKS.set(BodyChunks(writer, protocol))
         try:
             await self.app(scope, receive, send)
         finally:
+            _BODY_CHUNKS.reset(token)
             writer.exchanges -= 1
             if not writer.exchanges and protocol.send is writer:
                 protocol.send = writer.protocol_send
+
+
+#: The exchange's `BodyChunks`, for the handler's response body (Trio tasks inherit it).
+_BODY_CHUNKS: contextvars.ContextVar[BodyChunks | None] = contextvars.ContextVar(
+    "tributary_body_chunks", default=None
+)
+
+
+def body_chunks() -> BodyChunks | None:
+    """The current exchange's `BodyChunks` (None where `DirectSend` does not apply)."""
+    return _BODY_CHUNKS.get()
 
 
 def h11_protocol(send: Any) -> H11Protocol | None:
@@ -147,3 +177,54 @@ class DirectWriter:
                     await self.protocol_send(RawData(data=data[written:]))
                 return
         await self.protocol_send(event)
+
+
+class BodyChunks:
+    """Writes one exchange's body chunks straight to the socket, from synchronous code.
+
+    The caller promises that no other write of the exchange is under way: the response head
+    has been sent (by the usual path) and the body's task is parked waiting for more. A chunk
+    is framed by the h11 connection's own body writer (chunked, or HTTP/1.0's raw bytes) and
+    written with one non-blocking `write`, only while h11 is sending the body, the
+    connection's send lock is free and this exchange's writer is still installed (`ready`).
+    h11 itself is not told: sending a body chunk changes none of its state but the body
+    writer's own (which frames it).
+    """
+
+    def __init__(self, writer: DirectWriter, protocol: H11Protocol) -> None:
+        self._writer = writer
+        self._protocol = protocol
+
+    def ready(self) -> bool:
+        """Whether a chunk may be written now: h11 is sending the body, this exchange's
+        writer is installed and no other write holds the connection's lock."""
+        writer = self._writer
+        connection = self._protocol.connection
+        return (
+            isinstance(connection, h11.Connection)
+            and connection.our_state is h11.SEND_BODY
+            and self._protocol.send is writer
+            and not writer._lock.locked()
+            and connection._writer is not None
+            and writer._socket.fileno() >= 0
+        )
+
+    def write(self, data: bytes) -> bytes:
+        """Write `data` as the next body chunk (after `ready`); return what the socket did
+        not take at once (b"": all of it went), which `send_rest` must send before anything
+        else of the exchange."""
+        parts: list[bytes] = []
+        connection = self._protocol.connection
+        assert isinstance(connection, h11.Connection) and connection._writer is not None
+        connection._writer(h11.Data(data=data), parts.append)
+        framed = b"".join(parts)
+        try:
+            written = os.write(self._writer._socket.fileno(), framed)
+        except OSError:  # EAGAIN, or broken: protocol_send waits or reports it
+            written = 0
+        return framed[written:]
+
+    async def send_rest(self, rest: bytes) -> None:
+        """Finish a chunk `write` began (shielded: a write begun is always finished)."""
+        with trio.CancelScope(shield=True):
+            await self._writer.protocol_send(RawData(data=rest))

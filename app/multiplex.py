@@ -3,7 +3,7 @@
 Synopsis::
 
     class MyBody(MultiplexedBody):
-        async def __anext__(self) -> bytes:
+        async def next_chunk(self) -> bytes:      # each chunk Quart sends (__anext__)
             backlog = await self.next_backlog()    # [(item index, Output), ...] or None at end
             ...
             if self.exhausted:                     # that backlog held the last terminal item
@@ -17,6 +17,13 @@ write instead of many.
 Leaving the body early (client gone: `Cancelled`, or `GeneratorExit`), or never entering it,
 aborts every unfinished request synchronously (`close`; the view also hands the streams to
 the exchange with `owned_by_request`).
+
+A subclass that can render one `Frame` on its own (`render_frame`) lets the body write it
+the moment the engine delivers it, when the connection allows (`BodyChunks`,
+app/direct_send.py): the body's task is parked waiting, nothing else is queued or being
+written, and the first chunk (which carries the response head) has gone out. The body's task
+then stays asleep; only what the socket does not take at once reaches it, and it goes out
+first, through the usual path, before anything rendered later.
 
 Subclasses set whatever `on_item` reads before calling `super().__init__`, since items that
 are already waiting are delivered during it.
@@ -36,7 +43,9 @@ import trio
 from quart import Response
 from quart.wrappers.response import ResponseBody
 
-from tributary.engine import TERMINAL, Output, RequestStream
+from tributary.engine import TERMINAL, Frame, Output, RequestStream
+
+from .direct_send import BodyChunks, body_chunks
 
 __all__ = ["MultiplexedBody", "sse_response"]
 
@@ -65,11 +74,28 @@ class MultiplexedBody(ResponseBody):
         self._waiter: trio.lowlevel.Task | None = None
         self._left = False
         self._unfinished = len(self._streams)
+        #: Writes frames at delivery (None: this connection cannot, or the subclass does
+        #: not render frames alone); allowed once a chunk has been sent the usual way.
+        self._direct: BodyChunks | None = body_chunks() if self.renders_frames else None
+        self._calls = 0  # of __anext__: each call after the first follows a sent chunk
+        #: What the socket did not take of a frame written at delivery (framed): the
+        #: body's task sends it before anything else.
+        self._rest = b""
+        self._failure: Exception | None = None  # rendering a frame at delivery failed
         for index, stream in enumerate(self._streams):
             stream.redirect(partial(self._deliver, index))
 
+    #: Whether `render_frame` is implemented (subclasses that render frames one by one).
+    renders_frames = False
+
     def on_item(self, index: int, item: Output) -> None:
         """Called the moment the engine delivers `item` (for timing). Must not block."""
+
+    def render_frame(self, index: int, item: Frame) -> bytes:
+        """The bytes of one `Frame` of stream `index`, rendered at delivery (in the engine's
+        scheduler) as `next_chunk` would have rendered it alone; folds it into the body's
+        state just as `next_chunk` would. Only called when `renders_frames`."""
+        raise NotImplementedError
 
     @property
     def exhausted(self) -> bool:
@@ -80,29 +106,38 @@ class MultiplexedBody(ResponseBody):
         """Wait for at least one item; return all that are waiting, or None once every
         stream has ended (or the body was closed). A stream with a deadline
         (`RequestStream.set_deadline`) that has passed ends there with its 408 `Done`, in
-        the same backlog as the items that waited."""
-        # Streams only finish meanwhile, which can only put the earliest deadline later.
-        deadline = self._deadline() if self._unfinished else math.inf
-        if self._items:
-            # Items waited while the body was writing: let the engine run first, as a
-            # channel's receive would, so that a busy engine's next items may join this write.
-            await trio.lowlevel.checkpoint()
-        elif self._unfinished and not self._left:
-            if deadline == math.inf:
-                await self._wait()
-            else:
-                with trio.move_on_at(deadline):
+        the same backlog as the items that waited. What the socket did not take of a frame
+        written at delivery is sent first."""
+        while True:
+            # Streams only finish meanwhile, which can only put the earliest deadline later.
+            deadline = self._deadline() if self._unfinished else math.inf
+            if self._items:
+                # Items waited while the body was writing: let the engine run first, as a
+                # channel's receive would, so that a busy engine's next items may join.
+                await trio.lowlevel.checkpoint()
+            elif self._unfinished and not self._left and not self._rest:
+                if deadline == math.inf:
                     await self._wait()
-        if deadline != math.inf and self._unfinished and deadline <= trio.current_time():
-            for stream in self._streams:
-                stream.time_out()  # each unfinished one past its deadline hands us its 408
-        if not self._items and self._unfinished and not self._left:
-            await self._wait()  # a deadline passed for a stream closed elsewhere: no 408 comes
-        if not self._items or self._left:
-            return None
-        backlog = list(self._items)
-        self._items.clear()
-        return backlog
+                else:
+                    with trio.move_on_at(deadline):
+                        await self._wait()
+            if self._rest:  # before anything rendered later
+                rest, self._rest = self._rest, b""
+                assert self._direct is not None
+                await self._direct.send_rest(rest)
+            if deadline != math.inf and self._unfinished and deadline <= trio.current_time():
+                for stream in self._streams:
+                    stream.time_out()  # each unfinished one past its deadline hands us its 408
+            if self._left:
+                return None
+            if self._items:
+                backlog = list(self._items)
+                self._items.clear()
+                return backlog
+            if not self._unfinished:
+                return None
+            # Nothing to take: only the rest of a frame went out, or a deadline passed for a
+            # stream closed elsewhere (no 408 comes). Wait again.
 
     def _deadline(self) -> float:
         return min((s.deadline for s in self._streams if not s.finished), default=math.inf)
@@ -127,12 +162,33 @@ class MultiplexedBody(ResponseBody):
             self._unfinished -= 1
         if self._left:
             return  # close() has aborted what was unfinished
+        direct = self._direct
+        if (
+            direct is not None
+            and self._waiter is not None  # parked: no write of ours is under way
+            and self._calls > 1  # a chunk (with the head) has gone out
+            and type(item) is Frame
+            and not self._items
+            and not self._rest
+            and direct.ready()
+        ):
+            try:
+                self._rest = direct.write(self.render_frame(index, item))
+            except Exception as exc:
+                # Raised by the body's task, as a failure to render there would be; the frame
+                # may be folded in already, so the body ends rather than carry on without it.
+                self._failure = exc
+                self.close()
+                return
+            if self._rest:
+                self._wake()  # it sends the rest
+            return
         self._items.append((index, item))
         self._wake()
 
     def close(self) -> None:
         """Abort every unfinished request and stop receiving (a waiting `next_backlog`
-        returns None). Synchronous and idempotent."""
+        returns None, and nothing more is written). Synchronous and idempotent."""
         self._left = True
         for stream in self._streams:
             stream.close()
@@ -161,6 +217,15 @@ class MultiplexedBody(ResponseBody):
     def __aiter__(self) -> MultiplexedBody:
         return self
 
-    @abstractmethod
     async def __anext__(self) -> bytes:
-        """The next chunk to send; subclasses render `next_backlog()`."""
+        self._calls += 1
+        if self._failure is None:
+            chunk = await self.next_chunk()
+            if self._failure is None:
+                return chunk
+        raise self._failure
+
+    @abstractmethod
+    async def next_chunk(self) -> bytes:
+        """The next chunk to send; subclasses render `next_backlog()`, and raise
+        StopAsyncIteration at the end."""

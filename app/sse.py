@@ -158,7 +158,12 @@ class EventStreamBody(MultiplexedBody):
     def on_item(self, index: int, item: Output) -> None:
         self._timings[index].observe(item)
 
-    async def __anext__(self) -> bytes:
+    renders_frames = True
+
+    def render_frame(self, index: int, item: Frame) -> bytes:
+        return self._render([(index, item)])
+
+    async def next_chunk(self) -> bytes:
         while not self._ended:
             backlog = await self.next_backlog()
             if backlog is None:

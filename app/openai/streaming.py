@@ -91,7 +91,14 @@ class ChunkStreamBody(MultiplexedBody):
             timing.count_answer()  # every choice answered: the response is one
         return end
 
-    async def __anext__(self) -> bytes:
+    renders_frames = True
+
+    def render_frame(self, index: int, item: Frame) -> bytes:
+        choice = self._choices[index]
+        choice.add(item)  # a Frame never reports a failure
+        return self._events(self._renderer.on_output(index, item, choice))
+
+    async def next_chunk(self) -> bytes:
         while not self._ended:
             backlog = await self.next_backlog()
             if backlog is None:

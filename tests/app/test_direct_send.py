@@ -18,7 +18,7 @@ import h11
 import pytest
 import trio
 import trio.testing
-from apphelpers import Server, greedy, parse_sse, raw_socket, wait_until
+from apphelpers import Server, greedy, parse_sse, post_until_closed, raw_socket, wait_until
 from hypercorn.events import RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -195,20 +195,8 @@ async def test_an_http10_client_gets_the_stream_unframed(
     sim_server: Server, locked_writes: Counter[str]
 ) -> None:
     """No chunked encoding in HTTP/1.0: the body is the bare events, ended by the close."""
-    body = stream_body()
-    sock = await raw_socket(sim_server.url)
-    received = bytearray()
-    try:
-        await sock.send(
-            b"POST /generate HTTP/1.0\r\nhost: test\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(body), body)
-        )
-        with trio.fail_after(30):
-            while data := await sock.recv(1 << 16):
-                received += data
-    finally:
-        sock.close()
-    head, _, content = bytes(received).partition(b"\r\n\r\n")
+    received = await post_until_closed(sim_server.url, stream_body(), version=b"1.0")
+    head, _, content = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     assert b"transfer-encoding" not in head.lower()
     check_stream(content)

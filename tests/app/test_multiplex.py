@@ -19,7 +19,7 @@ from tributary.testing import wait_engine_idle
 
 
 class Body(MultiplexedBody):
-    async def __anext__(self) -> bytes:
+    async def next_chunk(self) -> bytes:
         if await self.next_backlog() is None:
             raise StopAsyncIteration
         return b"chunk"
