@@ -59,6 +59,7 @@ from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
 __all__ = [
+    "H11_VERSIONS",
     "HYPERCORN_VERSIONS",
     "BodyChunks",
     "DirectSend",
@@ -74,12 +75,27 @@ ASGIApp = Any
 HYPERCORN_VERSIONS = ("0.18.",)
 
 
+#: h11 releases whose `Connection` keeps its body writer in `_writer` and changes no state
+#: of its own for a body chunk (`BodyChunks` frames chunks with that writer, bypassing
+#: `Connection.send`).
+H11_VERSIONS = ("0.14.", "0.16.")
+
+
 def _supported() -> bool:
     try:
         installed = version("hypercorn")
     except PackageNotFoundError:
         return False
     return os.name == "posix" and installed.startswith(HYPERCORN_VERSIONS)
+
+
+def _h11_supported() -> bool:
+    return h11.__version__.startswith(H11_VERSIONS) and hasattr(
+        h11.Connection(h11.SERVER), "_writer"
+    )
+
+
+H11_SUPPORTED = _h11_supported()
 
 
 SUPPORTED = _supported()
@@ -101,7 +117,7 @@ class DirectSend:
         if not isinstance(writer, DirectWriter):
             writer = protocol.send = DirectWriter(protocol.send)
         writer.exchanges += 1
-        token = _BODY_CHUNKS.set(BodyChunks(writer, protocol))
+        token = _BODY_CHUNKS.set(BodyChunks(writer, protocol) if H11_SUPPORTED else None)
         try:
             await self.app(scope, receive, send)
         finally:

@@ -108,9 +108,10 @@ class MultiplexedBody(ResponseBody):
         (`RequestStream.set_deadline`) that has passed ends there with its 408 `Done`, in
         the same backlog as the items that waited. What the socket did not take of a frame
         written at delivery is sent first."""
+        expired = False  # a deadline passed and brought nothing: the rest wait without one
         while True:
             # Streams only finish meanwhile, which can only put the earliest deadline later.
-            deadline = self._deadline() if self._unfinished else math.inf
+            deadline = self._deadline() if self._unfinished and not expired else math.inf
             if self._items:
                 # Items waited while the body was writing: let the engine run first, as a
                 # channel's receive would, so that a busy engine's next items may join.
@@ -126,8 +127,11 @@ class MultiplexedBody(ResponseBody):
                 assert self._direct is not None
                 await self._direct.send_rest(rest)
             if deadline != math.inf and self._unfinished and deadline <= trio.current_time():
+                expired = True
                 for stream in self._streams:
                     stream.time_out()  # each unfinished one past its deadline hands us its 408
+            if self._failure is not None:
+                raise self._failure
             if self._left:
                 return None
             if self._items:
@@ -137,7 +141,8 @@ class MultiplexedBody(ResponseBody):
             if not self._unfinished:
                 return None
             # Nothing to take: only the rest of a frame went out, or a deadline passed for a
-            # stream closed elsewhere (no 408 comes). Wait again.
+            # stream closed elsewhere (no 408 comes). Wait again (after such a deadline,
+            # without one: it has done all it can).
 
     def _deadline(self) -> float:
         return min((s.deadline for s in self._streams if not s.finished), default=math.inf)
@@ -170,7 +175,7 @@ class MultiplexedBody(ResponseBody):
             and type(item) is Frame
             and not self._items
             and not self._rest
-            and direct.ready()
+            and self._ready(direct)
         ):
             try:
                 self._rest = direct.write(self.render_frame(index, item))
@@ -185,6 +190,14 @@ class MultiplexedBody(ResponseBody):
             return
         self._items.append((index, item))
         self._wake()
+
+    def _ready(self, direct: BodyChunks) -> bool:
+        try:
+            return direct.ready()
+        except Exception:  # internals not as expected: the usual path, from now on
+            LOGGER.exception("writing frames at delivery is off for this response")
+            self._direct = None
+            return False
 
     def close(self) -> None:
         """Abort every unfinished request and stop receiving (a waiting `next_backlog`

@@ -15,19 +15,22 @@ cache starts with that KV restored and prefills only the rest; a prompt identica
 still being prefilled waits for it and forks its KV and last logits instead of prefilling
 (parallel samples, `n > 1`). Both give exactly the tokens prefilling would have.
 
-A step whose sequences are all simply decoding (no prompt chunk, no hooks, no
+A step whose sequences are all simply decoding (no prompt chunk, no logit hooks, no
 min_new_tokens mask) is planned as a run (runners that `decodes_runs`): the runner decodes
-again and again without coming back between decodes, until a request arrives or is aborted,
-one reaches its length or samples a stop token, or `max_run_decodes`. Each decode's tokens
-are committed as they come when some request streams or has stop strings, else once, at
-the run's end: a unary request then costs the event loop nothing per token. What is
-computed is what the same steps would compute; only the scheduler's wake-ups change.
+again and again without coming back between decodes, until the scheduler needs a step
+boundary (a request arrives while a slot is free, one is aborted, one ends while others
+wait for a slot), a request reaches its length or samples a stop token, or
+`max_run_decodes`. Each decode's tokens are committed as they come when some request
+streams or has stop strings or regexes, else once, at the run's end: a unary request then
+costs the event loop nothing per token. What is computed is what the same steps would
+compute; only the scheduler's wake-ups change.
 
 A request that arrives while others decode joins at the next step (a run ends after the
 decode that is running). Aborts are marks (`Sequence.abort`); they take effect at the next
-step boundary and never touch another sequence. Output channels are unbounded, so a slow
-consumer never stalls the scheduler; what a consumer has not read is bounded by its own
-request's length.
+step boundary and never touch another sequence's output (an abort during a run first
+commits what the run decoded before it, for every sequence, as single steps would have).
+Output channels are unbounded, so a slow consumer never stalls the scheduler; what a
+consumer has not read is bounded by its own request's length.
 """
 
 from __future__ import annotations
@@ -218,6 +221,7 @@ class Scheduler:
         #: (a request arrives or is aborted) ends it after the decode that is running.
         self._run: DecodeRun | None = None
         self._run_feed: Callable[[list[list[int]]], None] | None = None
+        self._feeding = False  # within _commit_run
         #: Cache entries that the step being run restores from (unpinned when it returns).
         self._step_pins: list[CacheEntry] = []
         #: Snapshots the step being run takes: (sequence, prefix length, where it lands).
@@ -238,8 +242,9 @@ class Scheduler:
         run = self._run
         if run is not None and seq.slot is not None and self._run_feed is not None:
             # What the run decoded before this abort counts, as single steps would have
-            # committed it by now.
-            decoded = run.take_decoded()
+            # committed it by now (unless this abort comes from within a feed, a consumer
+            # reacting to what is being committed: the next feed commits the rest).
+            decoded = [] if self._feeding else run.take_decoded()
             if decoded:
                 self._run_feed(decoded)
             if seq.finished:  # that was its end
@@ -502,7 +507,11 @@ class Scheduler:
         slot no further); if others wait for a slot, the run ends for them to be admitted."""
         running = len(self.running)
         self.steps += len(decodes)
-        self._commit(sampling, decodes, ())
+        self._feeding = True
+        try:
+            self._commit(sampling, decodes, ())
+        finally:
+            self._feeding = False
         if len(self.running) < running and self.waiting and self._run is not None:
             self._run.stop()
 

