@@ -108,10 +108,9 @@ class MultiplexedBody(ResponseBody):
         (`RequestStream.set_deadline`) that has passed ends there with its 408 `Done`, in
         the same backlog as the items that waited. What the socket did not take of a frame
         written at delivery is sent first."""
-        expired = False  # a deadline passed and brought nothing: the rest wait without one
         while True:
             # Streams only finish meanwhile, which can only put the earliest deadline later.
-            deadline = self._deadline() if self._unfinished and not expired else math.inf
+            deadline = self._deadline() if self._unfinished else math.inf
             if self._items:
                 # Items waited while the body was writing: let the engine run first, as a
                 # channel's receive would, so that a busy engine's next items may join.
@@ -127,7 +126,6 @@ class MultiplexedBody(ResponseBody):
                 assert self._direct is not None
                 await self._direct.send_rest(rest)
             if deadline != math.inf and self._unfinished and deadline <= trio.current_time():
-                expired = True
                 for stream in self._streams:
                     stream.time_out()  # each unfinished one past its deadline hands us its 408
             if self._failure is not None:
@@ -140,12 +138,14 @@ class MultiplexedBody(ResponseBody):
                 return backlog
             if not self._unfinished:
                 return None
-            # Nothing to take: only the rest of a frame went out, or a deadline passed for a
-            # stream closed elsewhere (no 408 comes). Wait again (after such a deadline,
-            # without one: it has done all it can).
+            # Nothing to take: only the rest of a frame went out. Wait again.
 
     def _deadline(self) -> float:
-        return min((s.deadline for s in self._streams if not s.finished), default=math.inf)
+        # A stream closed elsewhere sends no 408 at its deadline: not a deadline to wait for.
+        return min(
+            (s.deadline for s in self._streams if not s.finished and not s.closed),
+            default=math.inf,
+        )
 
     async def _wait(self) -> None:
         """Until the engine delivers an item (or the wait is cancelled)."""

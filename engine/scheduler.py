@@ -220,7 +220,6 @@ class Scheduler:
         #: The run the runner is decoding, if any: a change that needs a step boundary
         #: (a request arrives or is aborted) ends it after the decode that is running.
         self._run: DecodeRun | None = None
-        self._run_feed: Callable[[list[list[int]]], None] | None = None
         self._feeding = False  # within _commit_run
         #: Cache entries that the step being run restores from (unpinned when it returns).
         self._step_pins: list[CacheEntry] = []
@@ -240,14 +239,12 @@ class Scheduler:
         if seq.finished or seq.abort is not None:
             return
         run = self._run
-        if run is not None and seq.slot is not None and self._run_feed is not None:
+        if run is not None and seq.slot is not None and not self._feeding:
             # What the run decoded before this abort counts, as single steps would have
             # committed it by now (unless this abort comes from within a feed, a consumer
             # reacting to what is being committed: the next feed commits the rest).
-            decoded = [] if self._feeding else run.take_decoded()
-            if decoded:
-                self._run_feed(decoded)
-            if seq.finished:  # that was its end
+            run.feed_decoded()
+            if seq.finished or seq.abort is not None:  # that was its end
                 return
         seq.abort = reason
         # Its rid is free at once: a client that timed out may retry with the same rid
@@ -322,14 +319,14 @@ class Scheduler:
                         sampled = await self.runner.step(plan)
                     else:
                         self._run = run
-                        self._run_feed = feed = partial(self._commit_run, sampling)
+                        feed = partial(self._commit_run, sampling)
                         await self.runner.decode_run(plan, run, feed)  # type: ignore[attr-defined]
                 except Exception as exc:
                     self._end_step(ok=False)
                     self._fail_step(plan, exc)
                     continue
                 finally:
-                    self._run = self._run_feed = None
+                    self._run = None
                     # A run's decodes are steps (they count one each in _commit_run).
                     decodes = max(self.steps - steps, 1)
                     elapsed = trio.current_time() - started

@@ -146,6 +146,11 @@ class RequestStream:
     def finished(self) -> bool:
         return self._terminal
 
+    @property
+    def closed(self) -> bool:
+        """`close()` was called: nothing more comes from this stream, not even a 408."""
+        return self._closed
+
     async def __aenter__(self) -> RequestStream:
         return self
 
@@ -310,7 +315,9 @@ async def collect_redirected(
     for index, stream in enumerate(streams):
         stream.redirect(partial(sink, index))
     while not done.is_set() and streams:
-        deadline = min((s.deadline for s in streams if not s.finished), default=math.inf)
+        deadline = min(
+            (s.deadline for s in streams if not s.finished and not s.closed), default=math.inf
+        )
         if deadline == math.inf:
             await done.wait()
             break

@@ -91,6 +91,10 @@ class SeqStep:
     fork_from: int | None = None
 
 
+def nothing_decoded() -> None:
+    """`DecodeRun.feed_decoded` outside a run: nothing to hand over."""
+
+
 class DecodeRun:
     """A step that goes on decoding: after its first tokens are sampled, every entry is fed
     its own sampled token and sampled again, decode after decode, with nothing planned in
@@ -109,7 +113,7 @@ class DecodeRun:
     sequence the scheduler closes during the run (`close_sequence`) is decoded no further.
     """
 
-    __slots__ = ("limit", "stop_ids", "stopped", "take_decoded", "wake_each")
+    __slots__ = ("feed_decoded", "limit", "stop_ids", "stopped", "wake_each")
 
     def __init__(self, *, limit: int, stop_ids: Sequence[frozenset[int]], wake_each: bool) -> None:
         #: Decodes at most, the first included (at least 2).
@@ -120,12 +124,14 @@ class DecodeRun:
         #: them, or has stop strings to check); else at the end of the run, all together.
         self.wake_each = wake_each
         self.stopped = False
-        #: Set by the runner: takes the decodes sampled but not yet handed to the feed (on
-        #: the event loop, from whichever task aborts a request; they then never reach the
-        #: feed). The scheduler commits them before it marks a request of the run aborted,
-        #: so that the tokens decoded before an abort are kept, as single steps would have
-        #: committed them.
-        self.take_decoded: Callable[[], list[list[int]]] = list
+        #: Set by the runner: hands the decodes sampled so far, and not yet handed over, to
+        #: the feed at once (on the event loop, from whichever task aborts a request; a
+        #: feed that fails there is the run's failure, raised from `decode_run`). The
+        #: scheduler calls it before it marks a request of the run aborted, so that the
+        #: tokens decoded before an abort are kept, as single steps would have committed
+        #: them. The runner puts `nothing_decoded` back when the run ends (so that no
+        #: reference cycle outlives it).
+        self.feed_decoded: Callable[[], None] = nothing_decoded
 
     def stop(self) -> None:
         """End the run after the decode that is running (from any thread)."""
@@ -135,7 +141,7 @@ class DecodeRun:
 #: What a runner hands the engine's scheduler from a run: the tokens of one or more decodes,
 #: oldest first, each one token per plan entry in plan order (-1 for an entry closed
 #: meanwhile). Called on the event loop, in the scheduler's task (and, through
-#: `DecodeRun.take_decoded`, in a task that aborts a request); it must not block.
+#: `DecodeRun.feed_decoded`, in a task that aborts a request); it must not block.
 RunFeed = Callable[[list[list[int]]], None]
 
 

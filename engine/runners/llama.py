@@ -48,7 +48,7 @@ from ..grammar import Grammars
 from ..kv_memory import KV_DTYPES, check_memory, describe_bytes, mem_available
 from ..request import ModelInfo
 from ..sampling import SamplingParams
-from .base import DecodeRun, KVRestore, RunFeed, SeqStep
+from .base import DecodeRun, KVRestore, RunFeed, SeqStep, nothing_decoded
 
 __all__ = [
     "MAX_GRAPH_TOKENS",
@@ -345,12 +345,15 @@ class LlamaRunner:
         decode's tokens are sampled and handed over, and the event loop wakes only when the
         run says so (`run.wake_each`) or when it ends."""
 
-        def expose(take: Callable[[], list[Any]]) -> None:
-            run.take_decoded = take
+        def expose(feed_published: Callable[[], None]) -> None:
+            run.feed_decoded = feed_published
 
-        await compute_thread().run(
-            self._run_sync, plan, run, feed=feed, interrupt=run.stop, published=expose
-        )
+        try:
+            await compute_thread().run(
+                self._run_sync, plan, run, feed=feed, interrupt=run.stop, published=expose
+            )
+        finally:
+            run.feed_decoded = nothing_decoded
 
     def _run_sync(
         self, plan: Sequence[SeqStep], run: DecodeRun, publish: Callable[[list[int], bool], int]
@@ -770,7 +773,7 @@ class ComputeThread:
         orphan: Callable[[_T], object] | None = None,
         feed: Callable[[list[Any]], None] | None = None,
         interrupt: Callable[[], None] | None = None,
-        published: Callable[[Callable[[], list[Any]]], None] | None = None,
+        published: Callable[[Callable[[], None]], None] | None = None,
     ) -> _T:
         """Run `fn(*args)` on the compute thread and return its result.
 
@@ -781,10 +784,10 @@ class ComputeThread:
         always before the result is returned. If `feed` raises, the call is interrupted and
         waited for, what it publishes afterwards is dropped, and the error is raised here.
         `interrupt` is called (on the event loop) when the caller is cancelled or leaves, for
-        a long call that can end early: the call is still waited for. `published(take)` is
-        called once, before the call is queued, with a function that takes the items
-        published so far and not yet fed, at once (they then never reach `feed`), for the
-        caller's task to call between feeds.
+        a long call that can end early: the call is still waited for. `published(feed_now)`
+        is called once, before the call is queued, with a function that feeds the items
+        published so far at once, from any task on the event loop, with the same handling
+        of a failing `feed`.
 
         Cancellation waits for the call to finish (a decode takes at most a step), then takes
         effect at the caller's next checkpoint: the model is never freed under a running
@@ -804,8 +807,21 @@ class ComputeThread:
         wakeup = _Wakeup.take()
         handoff: _Handoff[_T] = _Handoff(wakeup)  # not _Handoff[_T](): typing's call is slow
         call_args = (*args, handoff.publish) if feed is not None else args
+        failure: list[Exception] = []
+
+        def feed_now(items: list[Any]) -> None:
+            if not items or feed is None or failure:
+                return
+            try:
+                feed(items)
+            except Exception as exc:
+                failure.append(exc)
+                handoff.drop_items()  # nothing after a lost item may be fed
+                if interrupt is not None:
+                    interrupt()
+
         if published is not None:
-            published(handoff.take_published)
+            published(lambda: feed_now(handoff.take_published()))
 
         def job() -> None:
             result = outcome.capture(fn, *call_args)
@@ -814,7 +830,6 @@ class ComputeThread:
 
         self._jobs.put(job)
         shielded = False
-        failure: Exception | None = None
         try:
             while True:
                 if shielded:
@@ -834,14 +849,7 @@ class ComputeThread:
                         with trio.CancelScope(shield=True):
                             await wakeup.wait()
                 items, result = handoff.take()
-                if items and feed is not None and failure is None:
-                    try:
-                        feed(items)
-                    except Exception as exc:
-                        failure = exc
-                        handoff.drop_items()  # nothing after a lost item may be fed
-                        if interrupt is not None:
-                            interrupt()
+                feed_now(items)
                 if result is not None:
                     break
         except BaseException:
@@ -851,8 +859,8 @@ class ComputeThread:
             raise
         handoff.abandon()
         wakeup.give_back()
-        if failure is not None:
-            raise failure
+        if failure:
+            raise failure[0]
         assert result is not None, "the loop ends with the result"
         return result.unwrap()
 

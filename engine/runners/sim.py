@@ -38,7 +38,7 @@ from ..config import SimLatency
 from ..errors import RunnerFailure
 from ..request import ModelInfo
 from ..sampling import SamplingParams
-from .base import DecodeRun, KVRestore, RunFeed, SeqStep
+from .base import DecodeRun, KVRestore, RunFeed, SeqStep, nothing_decoded
 
 __all__ = ["SimRunner"]
 
@@ -140,13 +140,23 @@ class SimRunner:
     async def decode_run(self, plan: Sequence[SeqStep], run: DecodeRun, feed: RunFeed) -> None:
         tokens = await self.step(plan)
         held = [tokens]
+        failure: list[Exception] = []
 
         def take_decoded() -> list[list[int]]:
             taken = held[:]
             held.clear()
             return taken
 
-        run.take_decoded = take_decoded
+        def feed_decoded() -> None:
+            decoded = take_decoded()
+            if decoded and not failure:
+                try:
+                    feed(decoded)
+                except Exception as exc:  # as the llama runner: raised from decode_run
+                    failure.append(exc)
+                    run.stop()
+
+        run.feed_decoded = feed_decoded
         decodes = 1
         live = list(range(len(plan)))
         try:
@@ -156,7 +166,7 @@ class SimRunner:
                 and not any(t in stop for t, stop in zip(tokens, run.stop_ids, strict=True))
             ):
                 if run.wake_each:
-                    feed(take_decoded())
+                    feed_decoded()
                     if run.stopped:  # the feed may end the run (a request finished, say)
                         break
                 live = [k for k in live if plan[k].seq_id in self._seqs and tokens[k] >= 0]
@@ -173,8 +183,11 @@ class SimRunner:
                 held.append(tokens)
                 decodes += 1
         finally:
-            if held:  # what was decoded before a failure is handed over first, as llama's is
-                feed(take_decoded())
+            # What was decoded before a failure is handed over first, as llama's is.
+            feed_decoded()
+            run.feed_decoded = nothing_decoded
+        if failure:
+            raise failure[0]
 
     def kv_used_cells(self) -> int:
         return sum(seq.kv_len for seq in self._seqs.values())

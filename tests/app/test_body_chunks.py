@@ -248,11 +248,19 @@ async def test_a_v1_frame_that_fails_to_render_cuts_the_stream_uncounted(
 
     before = num_requests((await tributary_http_client.get("/metrics")).text)
     monkeypatch.setattr(ChunkStreamBody, "render_frame", failing)
-    request = {"prompt": "doomed", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    request = {
+        "prompt": "doomed",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},  # a usage chunk would end a whole stream
+    }
     received = await post_until_closed(
         sim_server.url, json.dumps(request).encode(), path=b"/v1/completions"
     )
-    assert b"[DONE]" not in received and b'"usage"' not in received
+    # Each chunk carries "usage": null; the usage chunk would carry the counts.
+    assert b'"usage":null' in received
+    assert b"[DONE]" not in received and b'"usage":{' not in received
     await testing.wait_engine_idle(sim_server.eng)
     assert num_requests((await tributary_http_client.get("/metrics")).text) == before
 
@@ -300,3 +308,28 @@ async def test_a_frame_that_fails_to_render_ends_the_body(
     await testing.wait_engine_idle(sim_server.eng)
     monkeypatch.setattr(EventStreamBody, "render_frame", render)
     check_stream(await stream_once(sim_server.url, "after the bug"))
+
+
+async def test_internals_not_as_expected_turn_it_off_and_the_stream_goes_on(
+    sim_server: Server, paths: Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should h11 or Hypercorn change under it (`ready` raises), writing at delivery stops
+    for that response and the rest of the stream takes the usual path, whole."""
+    calls = Counter[str]()
+    ready = direct_send.BodyChunks.ready
+
+    def changed(self: direct_send.BodyChunks) -> bool:
+        calls["ready"] += 1
+        if calls["ready"] > 10:
+            raise AttributeError("'Connection' object has no attribute '_writer'")
+        return ready(self)
+
+    monkeypatch.setattr(direct_send.BodyChunks, "ready", changed)
+    body = await stream_once(sim_server.url, "internals changed")
+    check_stream(body)
+    assert (
+        events(body)[-1]["text"]
+        == events(await stream_once(sim_server.url, "internals changed"))[-1]["text"]
+    )
+    assert 5 <= paths["direct"] <= 10  # until it raised
+    assert paths["usual"] >= TOKENS - 12  # then the usual path, from that response on

@@ -227,3 +227,43 @@ async def test_closing_the_engine_during_a_run_ends_it_within_a_decode(
 def test_max_run_decodes_must_be_at_least_one() -> None:
     with pytest.raises(ValueError, match="max_run_decodes must be at least 1"):
         EngineConfig(max_run_decodes=0)
+
+
+async def test_a_commit_that_fails_when_an_abort_hands_over_a_runs_tokens_fails_the_run_only(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An abort mid-run commits what the run decoded first; if that commit fails (a bug), the
+    abort still returns, the run ends with the step failure its requests would see from a
+    failed decode, and the engine serves on."""
+    from tributary.engine.scheduler import Scheduler
+
+    commit_run = Scheduler._commit_run
+    aborting = False
+
+    def failing(self: Scheduler, *args: Any) -> None:
+        if aborting:
+            raise RuntimeError("commit bug")
+        commit_run(self, *args)
+
+    monkeypatch.setattr(Scheduler, "_commit_run", failing)
+
+    async def abort_mid_run(eng: engine.Engine, start: float) -> None:
+        nonlocal aborting
+        await trio.sleep_until(start + 0.3333)
+        aborting = True
+        try:
+            assert eng.abort("victim") == 1  # does not raise
+        finally:
+            aborting = False
+
+    workload = [
+        (0.0, request("victim request", stream=False, rid="victim", max_new_tokens=200)),
+        (0.0, request("bystander", stream=False, max_new_tokens=100)),
+        (0.5, request("after it", stream=False, max_new_tokens=10)),
+    ]
+    (victim, bystander, after), stats = await serve(RUNS, workload, abort_mid_run)
+    assert answer(victim)[2]["type"] == "abort"  # what its client asked for
+    failed = bystander[-1][1]
+    assert isinstance(failed, engine.Error) and failed.error.http_status == 500
+    assert answer(after)[2]["type"] == "length" and len(answer(after)[1]) == 10
+    assert stats.running == 0 and stats.kv_used_cells == 0

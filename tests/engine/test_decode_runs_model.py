@@ -5,6 +5,8 @@ sample at a temperature; every KV cell comes back and the engine serves on."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import trio
 
@@ -32,11 +34,17 @@ def request(i: int, *, stream: bool, rid: str | None = None, **sampling: object)
     )
 
 
-async def workload(max_run: int, stop: str | None) -> tuple[list[list[int]], list[str], list[int]]:
+async def workload(
+    max_run: int, stop: str | None, *, overlap: bool = True
+) -> tuple[list[list[int]], list[str], list[int]]:
     """A unary and a streamed request from the start, a seeded one with penalties joining
     mid-run, a victim aborted after its tenth token, and a unary one with a stop string."""
     config = EngineConfig(
-        context_length=1024, max_running_requests=4, threads=2, max_run_decodes=max_run
+        context_length=1024,
+        max_running_requests=4,
+        threads=2,
+        max_run_decodes=max_run,
+        overlap_decode=overlap,
     )
     reqs = [
         (0.0, request(0, stream=False)),
@@ -131,3 +139,109 @@ async def test_a_lone_unary_request_wakes_the_loop_once_a_run() -> None:
     assert sum(frames[False]) == sum(frames[True]) == 150
     assert len(frames[False]) <= 2 + 150 // 64  # the prefill's token, then a frame a run
     assert len(frames[True]) >= 148
+
+
+async def test_an_abort_mid_run_keeps_the_tokens_decoded_before_it() -> None:
+    """A lone unary request delivers nothing until its run ends: aborted mid-run, it still
+    gets the tokens decoded before the abort (its own greedy output), as steps would have
+    committed them."""
+    config = EngineConfig(
+        context_length=4096, max_running_requests=2, threads=2, max_run_decodes=2000
+    )
+    got: list[engine.Output] = []
+    async with engine.open_engine(config) as eng:
+        stream = eng.submit(request(0, stream=False, rid="victim", max_new_tokens=3000))
+        stream.redirect(got.append)
+        await trio.sleep(0.5)  # some 40 decodes into a run of 2,000
+        assert [item.completion_tokens for item in got] == [1]  # the prefill's token only
+        assert eng.abort("victim") == 1
+        with trio.fail_after(5):  # the abort takes effect at the run's next decode
+            while not isinstance(got[-1], Done):
+                await trio.sleep(0.01)
+        done = got[-1]
+        assert isinstance(done, Done) and done.finish_reason["type"] == "abort"
+        kept = [t for item in got for t in item.output_ids]
+        assert len(kept) == done.completion_tokens >= 10
+        async with eng.submit(request(0, stream=False, max_new_tokens=len(kept))) as again:
+            assert [t async for item in again for t in item.output_ids] == kept  # type: ignore[union-attr]
+        with trio.fail_after(10):
+            while eng.stats().running or eng.stats().kv_used_cells:
+                await trio.sleep(0.01)
+
+
+async def test_a_streamed_run_does_not_run_ahead_of_a_lagging_event_loop() -> None:
+    """A reader that blocks the event loop (60 ms a frame, some six decodes) gets frames of a
+    token or two, not the tokens a run decoded meanwhile, and the tokens steps give."""
+    got: dict[int, list[list[int]]] = {}
+    for max_run in (1, 64):
+        config = EngineConfig(
+            context_length=1024, max_running_requests=2, threads=2, max_run_decodes=max_run
+        )
+        async with engine.open_engine(config) as eng:
+            async with eng.submit(request(1, stream=True, max_new_tokens=30)) as stream:
+                frames = []
+                async for item in stream:
+                    frames.append(item.output_ids)  # type: ignore[union-attr]
+                    time.sleep(0.06)  # the event loop busy elsewhere
+            got[max_run] = frames
+    ran = got[64]
+    assert [t for f in ran for t in f] == [t for f in got[1] for t in f]
+    assert len(ran) >= 10 and max(len(f) for f in ran) <= 3, [len(f) for f in ran]
+
+
+async def test_a_decode_ahead_skips_a_slot_closed_or_reopened_since() -> None:
+    """A run's last tokens may end their request before the decode launched after them is
+    queued: a decode ahead for a slot closed meanwhile, or given to another sequence, is
+    not run and leaves no KV cell behind."""
+    from tributary.engine.core import open_runner
+    from tributary.engine.runners.base import SeqStep
+    from tributary.engine.runners.llama import compute_thread
+
+    runner = await open_runner(EngineConfig(context_length=512, max_running_requests=2))
+    try:
+        params = SamplingParams.from_dict({"temperature": 0})
+        prompt = runner.tokenize(CHAT.format(QUESTIONS[0]), add_special=False)
+        for reopen in (False, True):
+            runner.open_sequence(0, params)
+            (token,) = await runner.step([SeqStep(0, prompt, 0, sample=True)])
+            await compute_thread().run(lambda: None)  # the decode launched ahead
+            await runner.step([SeqStep(0, [token], len(prompt), sample=True)])
+            runner.close_sequence(0)
+            if reopen:
+                runner.open_sequence(0, params)
+            await compute_thread().run(lambda: None)  # the free job and that decode ahead
+            stale = [(0, token, len(prompt) + 1)]
+            left = runner._ahead  # type: ignore[attr-defined]  # the second step's, unused
+            await compute_thread().run(runner._decode_ahead, stale)  # type: ignore[attr-defined]
+            assert runner._ahead is left  # type: ignore[attr-defined]  # not decoded
+            assert runner.kv_used_cells() == 0
+            if reopen:
+                runner.close_sequence(0)
+                await compute_thread().run(lambda: None)
+    finally:
+        runner.close()
+
+
+async def test_runs_with_overlap_off_give_the_tokens_steps_give_and_leave_nothing_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With decoding ahead off, a run stopped mid-decode (requests arrive during runs) samples
+    that decode itself: no step ever finds a decode left ahead."""
+    from tributary.engine.runners.llama import LlamaRunner
+
+    found_ahead: list[bool] = []
+    step_sync = LlamaRunner._step_sync
+
+    def watched(self: LlamaRunner, *args: object, **kwargs: object) -> list[int]:
+        found_ahead.append(self._ahead is not None)
+        return step_sync(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LlamaRunner, "_step_sync", watched)
+    steps, step_reasons, _ = await workload(1, None, overlap=False)
+    runs, run_reasons, _ = await workload(64, None, overlap=False)
+    assert found_ahead and not any(found_ahead)
+    assert run_reasons == step_reasons
+    victim_runs, victim_steps = runs.pop(3), steps.pop(3)
+    assert len(victim_runs) >= 10
+    assert victim_steps[: len(victim_runs)] == victim_runs[: len(victim_steps)]
+    assert runs == steps

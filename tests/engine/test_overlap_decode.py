@@ -77,9 +77,14 @@ async def test_overlap_gives_the_same_tokens_and_frees_every_cell() -> None:
 async def test_the_kv_count_follows_a_decoding_sequence(overlap: bool) -> None:
     # A lone request: its cells are its prompt and every token fed back so far. Read as
     # each token is delivered (in the scheduler, before it plans the next step), decoding
-    # ahead may already have decoded the token just delivered: one cell more.
+    # ahead may already have decoded the token just delivered: one cell more. Single steps
+    # (a run goes on decoding while its tokens are delivered: tests/engine/test_decode_runs*).
     config = EngineConfig(
-        context_length=1024, max_running_requests=2, threads=1, overlap_decode=overlap
+        context_length=1024,
+        max_running_requests=2,
+        threads=1,
+        overlap_decode=overlap,
+        max_run_decodes=1,
     )
     async with engine.open_engine(config) as eng:
         stream = eng.submit(request(0, max_new_tokens=40, ignore_eos=True))
