@@ -314,6 +314,7 @@ class Scheduler:
                 run = self._plan_run(plan, sampling)
                 started = trio.current_time()
                 steps = self.steps
+                failure: Exception | None = None
                 try:
                     if run is None:
                         sampled = await self.runner.step(plan)
@@ -322,15 +323,20 @@ class Scheduler:
                         feed = partial(self._commit_run, sampling)
                         await self.runner.decode_run(plan, run, feed)  # type: ignore[attr-defined]
                 except Exception as exc:
-                    self._end_step(ok=False)
-                    self._fail_step(plan, exc)
-                    continue
+                    failure = exc
                 finally:
+                    # Before anything reacts to the failure: an abort from a consumer of it
+                    # must not reach the run that has ended.
                     self._run = None
                     # A run's decodes are steps (they count one each in _commit_run).
                     decodes = max(self.steps - steps, 1)
                     elapsed = trio.current_time() - started
                     self.step_times.extend([elapsed / decodes] * min(decodes, STEP_WINDOW))
+                if failure is not None:
+                    self._end_step(ok=False)
+                    self._fail_step(plan, failure)
+                    del failure  # no traceback cycle through this frame
+                    continue
                 self._end_step(ok=True)
                 if run is None:
                     self.steps += 1

@@ -288,7 +288,9 @@ async def collect_redirected(
 
     Each stream's deadline bounds the wait as iterating it would: at the earliest one, the
     streams past their deadline deliver their 408 `Done`. The caller still owns the streams
-    and closes them (which aborts any unfinished request).
+    and closes them (which aborts any unfinished request), after this returns: a stream
+    closed meanwhile by another task hands `sink` nothing more, so it is waited for only up
+    to its deadline, if it has one, and then no longer.
 
     If `on_item` raises, nothing more reaches it and the exception is raised here, in the
     caller, as iterating and handling the items in the caller would have raised it; it
@@ -314,10 +316,13 @@ async def collect_redirected(
 
     for index, stream in enumerate(streams):
         stream.redirect(partial(sink, index))
-    while not done.is_set() and streams:
-        deadline = min(
-            (s.deadline for s in streams if not s.finished and not s.closed), default=math.inf
-        )
+    while not done.is_set():
+        # A stream closed elsewhere delivers nothing more, not even a 408: once only such
+        # streams are unfinished, there is nothing left to wait for.
+        live = [s for s in streams if not s.finished and not s.closed]
+        if not live:
+            break
+        deadline = min(s.deadline for s in live)
         if deadline == math.inf:
             await done.wait()
             break

@@ -327,6 +327,7 @@ async def test_internals_not_as_expected_turn_it_off_and_the_stream_goes_on(
     monkeypatch.setattr(direct_send.BodyChunks, "ready", changed)
     body = await stream_once(sim_server.url, "internals changed")
     check_stream(body)
+    assert calls["ready"] == 11  # off for the rest of the response once it raised
     assert (
         events(body)[-1]["text"]
         == events(await stream_once(sim_server.url, "internals changed"))[-1]["text"]

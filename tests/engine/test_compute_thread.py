@@ -203,3 +203,44 @@ def test_calls_reuse_their_wakeup_descriptors() -> None:
         return len(os.listdir("/proc/self/fd")) - before
 
     assert run_in_thread(lambda: trio.run(main)) == [0]
+
+
+def test_a_feed_that_fails_when_called_from_another_task_fails_the_call() -> None:
+    """What a job publishes can be fed at once from another task (`published`: an abort
+    hands over a run's decoded tokens). A feed that fails there raises nothing in that
+    task: the job is interrupted, what it publishes afterwards is dropped, and the error is
+    raised by the call."""
+    thread = ComputeThread()
+    fed: list[list[int]] = []
+    published_one = threading.Event()
+    interrupted = threading.Event()
+
+    def job(publish: Callable[[int, bool], int]) -> str:
+        publish(1, False)  # no wake: only the other task's call feeds it
+        published_one.set()
+        assert interrupted.wait(HANG)
+        publish(2, True)  # after the failure: dropped
+        return "ended"
+
+    def feed(items: list[int]) -> None:
+        fed.append(items)
+        raise RuntimeError("feed bug")
+
+    async def main() -> int:
+        exposed: list[Callable[[], None]] = []
+
+        async def abort_meanwhile() -> None:
+            await trio.to_thread.run_sync(published_one.wait)
+            exposed[0]()  # the feed fails, but not here
+            assert interrupted.is_set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(abort_meanwhile)
+            with pytest.raises(RuntimeError, match="feed bug"):
+                await thread.run(
+                    job, feed=feed, interrupt=interrupted.set, published=exposed.append
+                )
+        assert fed == [[1]]
+        return await thread.run(lambda: 7)  # the thread serves on
+
+    assert run_in_thread(lambda: trio.run(main)) == [7]

@@ -244,3 +244,33 @@ async def test_collect_redirected_raises_a_callbacks_failure_in_its_caller(
     await testing.wait_engine_idle(tributary_engine, timeout=step_cost(1) * 2)
     after = [item async for item in tributary_engine.submit(request("after", 3))]
     assert isinstance(after[-1], Done)
+
+
+async def test_collect_redirected_stops_waiting_for_a_stream_closed_meanwhile(
+    tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
+) -> None:
+    """A stream closed by another task delivers nothing more, not even its 408: the wait
+    ends at its deadline, not never."""
+    quick = tributary_engine.submit(request("a", 3))
+    slow = tributary_engine.submit(request("b", 1000))
+    start = trio.current_time()
+    slow.set_deadline(start + 0.5)
+    seen: list[tuple[float, int, engine.Output]] = []
+
+    def keep(i: int, item: engine.Output) -> bool:
+        seen.append((trio.current_time() - start, i, item))
+        return False
+
+    async def close_slow() -> None:
+        await trio.sleep(0.2)
+        slow.close()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_slow)
+            await engine.collect_redirected([quick, slow], keep)
+    assert trio.current_time() - start == pytest.approx(0.5)
+    assert [type(item) for _, i, item in seen if i == 0][-1] is Done
+    assert all(at <= 0.2 and type(item) is Frame for at, i, item in seen if i == 1)
+    quick.close()
+    await testing.wait_engine_idle(tributary_engine, timeout=step_cost(1) * 2)
