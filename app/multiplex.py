@@ -81,9 +81,11 @@ class MultiplexedBody(ResponseBody):
         #: What the socket did not take of a frame written at delivery (framed): the
         #: body's task sends it before anything else.
         self._rest = b""
-        self._failure: Exception | None = None  # rendering a frame at delivery failed
+        #: Raised by the body's task: rendering a frame at delivery failed, or a stream was
+        #: closed elsewhere before its end.
+        self._failure: Exception | None = None
         for index, stream in enumerate(self._streams):
-            stream.redirect(partial(self._deliver, index))
+            stream.redirect(partial(self._deliver, index), on_close=self._closed_elsewhere)
 
     #: Whether `render_frame` is implemented (subclasses that render frames one by one).
     renders_frames = False
@@ -185,6 +187,15 @@ class MultiplexedBody(ResponseBody):
                 self._wake()  # it sends the rest
             return
         self._items.append((index, item))
+        self._wake()
+
+    def _closed_elsewhere(self) -> None:
+        # A stream closed before its end by someone other than this body (whose close()
+        # sets _left first): nothing more comes from it, so the response cannot be whole.
+        # It ends as a failure does, raised by the body's task: no [DONE], not counted.
+        if self._left or self._failure is not None:
+            return
+        self._failure = RuntimeError("a stream of this response was closed before its end")
         self._wake()
 
     def _ready(self, direct: BodyChunks) -> bool:

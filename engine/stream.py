@@ -121,6 +121,8 @@ class RequestStream:
         #: The consumer's sink, from redirect until the terminal item (then let go of, as
         #: it usually refers back to this stream).
         self._sink: Callable[[Output], None] | None = None
+        #: Called if the stream is closed before its terminal item (see redirect).
+        self._on_close: Callable[[], None] | None = None
         self._redirected = False
         self.rid = rid
         self.prompt_tokens = prompt_tokens
@@ -216,12 +218,15 @@ class RequestStream:
             finish_reason=reason,
         )
 
-    def redirect(self, sink: Callable[[Output], None]) -> None:
+    def redirect(
+        self, sink: Callable[[Output], None], *, on_close: Callable[[], None] | None = None
+    ) -> None:
         """From now on the producer hands each item to `sink` as it produces it; items
         already queued go first, at once and in order. The stream is no longer iterated
         (iterating it ends at once), but `close()` still aborts the request unless `sink`
         has been given its terminal item, and after `close()` or the terminal item nothing
-        reaches `sink`.
+        reaches `sink`. A `close()` before the terminal item calls `on_close()` instead (a
+        consumer waiting for the terminal item learns that none will come).
 
         `sink` runs in the producer (the engine's scheduler), so it must not block or raise;
         it is the moment of delivery, which is what per-request timing wants to observe.
@@ -236,6 +241,7 @@ class RequestStream:
         if self._terminal or self._closed:
             return
         self._sink = sink
+        self._on_close = on_close
         while True:
             try:
                 self._deliver(self._receiver.receive_nowait())
@@ -262,6 +268,7 @@ class RequestStream:
         """Hand the sink its terminal `item`; nothing reaches it afterwards. (Building a
         deadline's `Done` aborts the request, which may end the stream first: then nothing.)"""
         sink, self._sink = self._sink, None
+        self._on_close = None
         if sink is None or self._terminal:
             return
         self._terminal = True
@@ -273,8 +280,11 @@ class RequestStream:
             return
         self._closed = True
         self._sink = None
+        on_close, self._on_close = self._on_close, None
         if not self._terminal:
             self._abort()
+            if on_close is not None:
+                on_close()
         self._receiver.close()
 
 
@@ -288,17 +298,23 @@ async def collect_redirected(
 
     Each stream's deadline bounds the wait as iterating it would: at the earliest one, the
     streams past their deadline deliver their 408 `Done`. The caller still owns the streams
-    and closes them (which aborts any unfinished request), after this returns: a stream
-    closed meanwhile by another task hands `sink` nothing more, so it is waited for only up
-    to its deadline, if it has one, and then no longer.
+    and closes them (which aborts any unfinished request); one closed by another task
+    meanwhile delivers nothing more and is waited for no longer.
 
     If `on_item` raises, nothing more reaches it and the exception is raised here, in the
     caller, as iterating and handling the items in the caller would have raised it; it
     never reaches the producer.
     """
-    unfinished = len(streams)
+    # (One that has ended, or was closed, before this call delivers nothing more.)
+    unfinished = sum(1 for s in streams if not s.finished and not s.closed)
     done = trio.Event()
     failure: list[BaseException] = []
+
+    def closed_meanwhile() -> None:
+        nonlocal unfinished
+        unfinished -= 1
+        if unfinished == 0:
+            done.set()
 
     def sink(index: int, item: Output) -> None:
         nonlocal unfinished
@@ -315,7 +331,7 @@ async def collect_redirected(
             done.set()
 
     for index, stream in enumerate(streams):
-        stream.redirect(partial(sink, index))
+        stream.redirect(partial(sink, index), on_close=closed_meanwhile)
     while not done.is_set():
         # A stream closed elsewhere delivers nothing more, not even a 408: once only such
         # streams are unfinished, there is nothing left to wait for.

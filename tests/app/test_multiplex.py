@@ -98,3 +98,24 @@ async def test_closing_a_body_wakes_its_waiting_reader() -> None:
             await trio.testing.wait_all_tasks_blocked()
             body.close()
     assert got == [None]
+
+
+async def test_a_stream_closed_elsewhere_fails_the_body_and_it_does_not_end_as_whole(
+    tributary_engine: Engine,
+) -> None:
+    """Nothing more comes from a stream closed by someone other than the body, so the
+    response cannot be completed: the body's task raises (no [DONE], no usage), as when a
+    frame fails to render, rather than wait for ever or end as if whole."""
+    sampling = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1000})
+    streams = [
+        tributary_engine.submit(GenerateRequest(text=text, sampling=sampling))
+        for text in ("one", "two")
+    ]
+    body = Body(streams)
+    async with body:
+        assert await body.next_backlog()
+        streams[1].close()  # not the body's own close
+        with trio.fail_after(5), pytest.raises(RuntimeError, match="closed before its end"):
+            while True:
+                await body.next_backlog()
+    await wait_engine_idle(tributary_engine)  # both requests were aborted
