@@ -112,15 +112,13 @@ class MultiplexedBody(ResponseBody):
         written at delivery is sent first."""
         while True:
             # Streams only finish meanwhile, which can only put the earliest deadline later.
-            # A stream closed elsewhere delivers nothing more, not even a 408: once only
-            # such streams are unfinished, nothing is left to wait for.
-            live = [s for s in self._streams if not s.finished and not s.closed]
-            deadline = min((s.deadline for s in live), default=math.inf)
+            # (One closed elsewhere fails the body: `_closed_elsewhere`.)
+            deadline = self._deadline() if self._unfinished else math.inf
             if self._items:
                 # Items waited while the body was writing: let the engine run first, as a
                 # channel's receive would, so that a busy engine's next items may join.
                 await trio.lowlevel.checkpoint()
-            elif live and not self._left and not self._rest:
+            elif self._unfinished and not self._left and not self._rest:
                 if deadline == math.inf:
                     await self._wait()
                 else:
@@ -141,9 +139,12 @@ class MultiplexedBody(ResponseBody):
                 backlog = list(self._items)
                 self._items.clear()
                 return backlog
-            if not self._unfinished or not live:
+            if not self._unfinished:
                 return None
             # Nothing to take: only the rest of a frame went out. Wait again.
+
+    def _deadline(self) -> float:
+        return min((s.deadline for s in self._streams if not s.finished), default=math.inf)
 
     async def _wait(self) -> None:
         """Until the engine delivers an item (or the wait is cancelled)."""

@@ -142,13 +142,9 @@ class SimRunner:
         held = [tokens]
         failure: list[Exception] = []
 
-        def take_decoded() -> list[list[int]]:
-            taken = held[:]
-            held.clear()
-            return taken
-
         def feed_decoded() -> None:
-            decoded = take_decoded()
+            decoded = held[:]
+            held.clear()
             if decoded and not failure:
                 try:
                     feed(decoded)
