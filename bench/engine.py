@@ -28,7 +28,12 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tributary import engine
-from tributary.engine.runners.llama import batch_tokens, compute_thread, default_model_path
+from tributary.engine.runners.llama import (
+    batch_tokens,
+    compute_thread,
+    default_model_path,
+    load_model,
+)
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "engine.json"
 TOPICS = [
@@ -90,9 +95,7 @@ class RawLoop:
     """llama.cpp with nothing around it: the same context, chunks and greedy sampling."""
 
     def __init__(self, cfg: engine.EngineConfig) -> None:
-        mp = llama_cpp.llama_model_default_params()
-        mp.use_extra_bufts = False
-        self.model = llama_cpp.llama_model_load_from_file(str(default_model_path()).encode(), mp)
+        self.model, _ = load_model(default_model_path(), cfg)  # weights paged as the engine's
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         assert cfg.context_length is not None
         self.chunk = cfg.prefill_chunk_tokens

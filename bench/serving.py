@@ -154,6 +154,12 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
             "/health",
             backends=("openai", "generate"),
         ),
+        "tributary-mmap": ServerSpec(
+            "tributary --mmap",
+            [*tributary, "--mmap"],
+            "/health",
+            backends=("openai", "generate"),
+        ),
         "tributary-gc-off": ServerSpec(
             "tributary --gc-threshold 0",
             [*tributary, "--gc-threshold", "0"],

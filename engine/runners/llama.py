@@ -49,6 +49,7 @@ from ..kv_memory import KV_DTYPES, check_memory, describe_bytes, mem_available
 from ..request import ModelInfo
 from ..sampling import SamplingParams
 from .base import DecodeRun, KVRestore, RunFeed, SeqStep, nothing_decoded
+from .hugepages import HugePages, anonymous_ranges, back_with_huge_pages, fresh_ranges
 
 __all__ = [
     "MAX_GRAPH_TOKENS",
@@ -110,6 +111,26 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"no .gguf file inside the {_DEFAULT_PACKAGE} package")
 
 
+def load_model(path: Path, config: EngineConfig) -> tuple[Any, HugePages | None]:
+    """Load the GGUF at `path` as the runner does: its weights read into huge pages
+    (hugepages.py), or mapped with `config.mmap_weights` (the pages are then None), and not
+    repacked unless `config.repack_weights`. Blocking."""
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = config.repack_weights
+    if config.mmap_weights:
+        model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+    else:
+        model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        before = anonymous_ranges()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    if not model:
+        raise RunnerFailure(f"llama.cpp could not load {path}")
+    if config.mmap_weights:
+        return model, None
+    return model, back_with_huge_pages(fresh_ranges(before, anonymous_ranges()))
+
+
 class LlamaRunner:
     """Create with `LlamaRunner.load(config)`; the scheduler is its only caller."""
 
@@ -119,17 +140,12 @@ class LlamaRunner:
         path = Path(config.model_path) if config.model_path else default_model_path()
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
-        # Read before loading: the model's mmapped pages then count as available memory, and
-        # what it and the KV cache need is checked against that.
+        # Read before loading: the memory the weights then take counts as available, and what
+        # they and the KV cache need is checked against that.
         available = mem_available()
-        llama_cpp.llama_backend_init()
-        model_params = llama_cpp.llama_model_default_params()
-        model_params.use_extra_bufts = config.repack_weights
-        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
-        if not model:
-            raise RunnerFailure(f"llama.cpp could not load {path}")
+        model, pages = load_model(path, config)
         try:
-            return cls(model, path, config, available=available)
+            return cls(model, path, config, available=available, huge_pages=pages)
         except BaseException:
             llama_cpp.llama_model_free(model)
             raise
@@ -144,8 +160,11 @@ class LlamaRunner:
         config: EngineConfig,
         *,
         available: int | None = None,
+        huge_pages: HugePages | None = None,
     ) -> None:
         self._model = model
+        #: How the weights are paged, when they were read rather than mapped (`load`).
+        self.huge_pages = huge_pages
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._n_vocab = n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         train_ctx = llama_cpp.llama_model_n_ctx_train(model)
@@ -234,6 +253,17 @@ class LlamaRunner:
             context,
             config.kv_cache_dtype,
         )
+        if huge_pages is None:
+            LOGGER.info("weights mapped from the file (4 KiB pages)")
+        elif huge_pages.error is None:
+            LOGGER.info("weights in huge pages: %s", describe_bytes(huge_pages.huge))
+        else:
+            LOGGER.warning(
+                "weights not in huge pages (%s of %s are): %s; decodes run a few percent slower",
+                describe_bytes(huge_pages.huge),
+                describe_bytes(huge_pages.advised),
+                huge_pages.error,
+            )
 
     # -- tokens -------------------------------------------------------------------------
 

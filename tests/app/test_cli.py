@@ -116,10 +116,11 @@ def test_flags_map_to_engine_and_server_settings() -> None:
             "--context-length", "2048", "--max-running-requests", "4",
             "--max-queued-requests", "9", "--incremental-streaming-output",
             "--stream-interval", "3", "--runner", "sim", "--threads", "2",
-            "--log-level", "debug",
+            "--log-level", "debug", "--mmap",
         ]
     )  # fmt: skip
     engine_config, settings = configs(args)
+    assert engine_config.mmap_weights
     assert engine_config.model_path == "/m.gguf" and engine_config.runner == "sim"
     assert engine_config.context_length == 2048 and engine_config.max_running_requests == 4
     assert engine_config.max_queued_requests == 9 and engine_config.stream_interval == 3
@@ -132,6 +133,7 @@ def test_defaults_match_sglang() -> None:
     engine_config, settings = configs(build_parser().parse_args(["serve"]))
     assert settings.port == 30000 and settings.host == "127.0.0.1"
     assert engine_config.runner == "llama" and engine_config.model_path is None
+    assert not engine_config.mmap_weights  # weights read into huge pages
     assert not settings.incremental_streaming_output
 
 

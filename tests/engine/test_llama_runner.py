@@ -391,3 +391,34 @@ async def test_decodes_reuse_the_compute_graph(
     # Every single-token decode after the first reuses the graph the previous one built.
     assert perf.n_eval >= 39
     assert perf.n_reused >= perf.n_eval - 2
+
+
+async def test_weights_are_read_into_huge_pages_unless_mapped() -> None:
+    """By default the weights are read into the process's own memory and moved into 2 MiB
+    pages (a decode is a few percent faster: docs/benchmarks/README.md); `mmap_weights` maps
+    the file as llama.cpp does. Either way the model answers the same."""
+    import llama_cpp
+
+    from tributary.engine.core import open_runner
+    from tributary.engine.runners.hugepages import HUGE_PAGE
+    from tributary.engine.runners.llama import LlamaRunner
+
+    answers = []
+    for mmap_weights in (False, True):
+        config = EngineConfig(
+            context_length=1024, max_running_requests=1, threads=1, mmap_weights=mmap_weights
+        )
+        runner = await open_runner(config)
+        assert isinstance(runner, LlamaRunner)
+        pages = runner.huge_pages
+        if mmap_weights:
+            assert pages is None
+        else:
+            assert pages is not None and pages.error is None, pages
+            # All of the weights but the ends of their buffer that share a huge page with
+            # other memory.
+            assert pages.huge >= llama_cpp.llama_model_size(runner._model) - 2 * HUGE_PAGE
+        async with engine.open_engine(config, runner=runner) as eng:
+            _, ids, _ = await run(eng, request("The capital of France is", max_new_tokens=24))
+        answers.append(ids)
+    assert len(answers[0]) == 24 and answers[0] == answers[1]
