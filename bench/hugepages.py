@@ -2,11 +2,11 @@
 `tributary serve --mmap`), read into 4 KiB pages of the process's own, and read into huge
 pages (Tributary's default, engine/runners/hugepages.py).
 
-    .venv/bin/python bench/hugepages.py [--tokens 200] [--repeats 8] [--concurrency 1 16]
+    .venv/bin/python bench/hugepages.py [--tokens 200] [--repeats 12] [--concurrency 1 16]
 
 The three copies of the model are loaded in one process, each with a context like the
-runner's, and a plain greedy decode loop (no scheduler) runs on each in turn, the order
-reversed every repeat, since these machines are noisy. Each copy must produce the same
+runner's, and a plain greedy decode loop (no scheduler) runs on each in turn, every copy in
+every place of the order in turn, since these machines are noisy. Each copy must produce the same
 tokens. Writes docs/benchmarks/hugepages.json.
 """
 
@@ -63,6 +63,10 @@ class Loop:
             n = llama_cpp.llama_tokenize(vocab, text, len(text), buf, 256, True, True)
             self.prompts.append(list(buf[:n]))
 
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+
     def _put(self, n: int, token: int, pos: int, seq: int, logits: bool) -> None:
         b = self.batch
         b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = token, pos, 1, logits
@@ -100,7 +104,7 @@ class Loop:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=12, help="a multiple of 6: every order")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     args = p.parse_args()
     path = default_model_path()
@@ -108,8 +112,11 @@ def main() -> None:
     small = read_in_small_pages(path)
     huge, pages = load_model(path, EngineConfig())
     assert pages is not None
-    status = pages.error or "ok"
-    print(f"huge pages: {pages.huge >> 20} MiB of {pages.advised >> 20} MiB ({status})")
+    if pages.error:
+        sys.exit(f"the weights are not in huge pages: {pages.error}")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    print(f"transparent_hugepage/enabled: {thp}")
+    print(f"huge pages: {pages.huge >> 20} MiB of {pages.advised >> 20} MiB")
     arms = {
         "mapped (4 KiB, page cache)": mapped,
         "read, 4 KiB pages": small,
@@ -124,12 +131,16 @@ def main() -> None:
         names = list(loops)
         for r in range(args.repeats):
             outputs = []
-            for name in names if r % 2 == 0 else names[::-1]:
+            # Every arm takes every place in turn: forward and backward rotations.
+            turn = names[r % len(names) :] + names[: r % len(names)]
+            for name in turn if r // len(names) % 2 == 0 else turn[::-1]:
                 rate, out = loops[name].run(args.tokens)
                 rates[name].append(rate)
                 outputs.append(out)
             assert all(o == outputs[0] for o in outputs), "the copies decoded different tokens"
             print(f"c={c} repeat {r}: " + "  ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()))
+        for loop in loops.values():
+            loop.close()
         base = rates[names[0]]
         for name in names:
             ratios = [x / b for x, b in zip(rates[name], base, strict=True)]
@@ -161,6 +172,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "statistic": "median",
                 "huge_pages": {"advised": pages.advised, "huge": pages.huge, "error": pages.error},
+                "transparent_hugepage_enabled": thp,
                 "machine": {
                     "cpus": os.cpu_count(),
                     "python": platform.python_version(),

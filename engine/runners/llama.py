@@ -32,6 +32,7 @@ import math
 import os
 import queue
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -45,7 +46,13 @@ import trio
 from ..config import EngineConfig
 from ..errors import RunnerFailure
 from ..grammar import Grammars
-from ..kv_memory import KV_DTYPES, check_memory, describe_bytes, mem_available
+from ..kv_memory import (
+    KV_DTYPES,
+    InsufficientMemory,
+    check_memory,
+    describe_bytes,
+    mem_available,
+)
 from ..request import ModelInfo
 from ..sampling import SamplingParams
 from .base import DecodeRun, KVRestore, RunFeed, SeqStep, nothing_decoded
@@ -58,6 +65,7 @@ __all__ = [
     "batch_tokens",
     "default_model_path",
     "graph_tokens",
+    "load_model",
 ]
 
 LOGGER = logging.getLogger("tributary.engine.llama")
@@ -111,14 +119,21 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"no .gguf file inside the {_DEFAULT_PACKAGE} package")
 
 
+def mapped_weights(config: EngineConfig) -> bool:
+    """Whether the weights are mapped from the file rather than read into huge pages."""
+    return config.mmap_weights or not sys.platform.startswith("linux")
+
+
 def load_model(path: Path, config: EngineConfig) -> tuple[Any, HugePages | None]:
     """Load the GGUF at `path` as the runner does: its weights read into huge pages
     (hugepages.py), or mapped with `config.mmap_weights` (the pages are then None), and not
-    repacked unless `config.repack_weights`. Blocking."""
+    repacked unless `config.repack_weights`. Off Linux the weights are always mapped.
+    Blocking."""
+    mapped = mapped_weights(config)
     llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
     model_params.use_extra_bufts = config.repack_weights
-    if config.mmap_weights:
+    if mapped:
         model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
     else:
         model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
@@ -126,9 +141,14 @@ def load_model(path: Path, config: EngineConfig) -> tuple[Any, HugePages | None]
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
     if not model:
         raise RunnerFailure(f"llama.cpp could not load {path}")
-    if config.mmap_weights:
+    if mapped:
         return model, None
-    return model, back_with_huge_pages(fresh_ranges(before, anonymous_ranges()))
+    try:
+        expected = llama_cpp.llama_model_size(model)
+        return model, back_with_huge_pages(fresh_ranges(before, anonymous_ranges()), expected)
+    except BaseException:
+        llama_cpp.llama_model_free(model)
+        raise
 
 
 class LlamaRunner:
@@ -143,6 +163,13 @@ class LlamaRunner:
         # Read before loading: the memory the weights then take counts as available, and what
         # they and the KV cache need is checked against that.
         available = mem_available()
+        size = path.stat().st_size
+        if not mapped_weights(config) and available is not None and size > available:
+            # Read, the weights take their size in memory of the process's own at once.
+            raise InsufficientMemory(
+                f"not enough memory: the model file ({describe_bytes(size)}) is larger than "
+                f"the {describe_bytes(available)} available"
+            )
         model, pages = load_model(path, config)
         try:
             return cls(model, path, config, available=available, huge_pages=pages)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 from pathlib import Path
 
@@ -63,22 +64,35 @@ def test_huge_bytes_counts_only_mappings_inside_the_ranges(tmp_path: Path) -> No
     assert huge_bytes([(0x7F0000000000, 0x7F0000400000)], smaps) == 4 * MIB
     assert huge_bytes([(0x7F0000000000, 0x7F0000800000)], smaps) == 6 * MIB
     assert huge_bytes([(0x7F0000100000, 0x7F0000400000)], smaps) == 0
+    # Two neighbouring ranges that the kernel made one mapping.
+    halves = [(0x7F0000000000, 0x7F0000200000), (0x7F0000200000, 0x7F0000400000)]
+    assert huge_bytes(halves, smaps) == 4 * MIB
 
 
-@pytest.mark.skipif(
+THP = pytest.mark.skipif(
     not Path("/sys/kernel/mm/transparent_hugepage").exists(),
     reason="the kernel has no transparent huge pages",
 )
+
+
+def written(size: int) -> mmap.mmap:
+    """Private anonymous memory, as glibc serves llama.cpp's weight buffer, written in 4 KiB
+    pages (as a read of the GGUF writes it, whatever the kernel's THP default)."""
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_NOHUGEPAGE)
+    memory.write(b"\x01" * size)
+    return memory
+
+
+@THP
 def test_memory_written_in_small_pages_is_collapsed_into_huge_pages() -> None:
     before = anonymous_ranges()
-    # Private and anonymous, as glibc serves llama.cpp's weight buffer.
-    memory = mmap.mmap(-1, 16 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = written(16 * MIB)
     try:
-        memory.write(b"\x01" * len(memory))  # written (read from the GGUF) before advising
         ranges = fresh_ranges(before, anonymous_ranges())
         assert sum(e - s for s, e in ranges) >= 14 * MIB
         assert huge_bytes(ranges) == 0
-        pages = back_with_huge_pages(ranges)
+        pages = back_with_huge_pages(ranges, expected=16 * MIB)
         assert pages.error is None, pages.error
         assert pages.huge >= 14 * MIB
         memory.seek(0)
@@ -87,6 +101,25 @@ def test_memory_written_in_small_pages_is_collapsed_into_huge_pages() -> None:
         memory.close()
 
 
+@THP
+def test_memory_another_thread_mapped_and_never_wrote_does_not_keep_the_weights_small() -> None:
+    """The kernel refuses to collapse a region never written (EINVAL); one mapped during the
+    load is among the fresh ranges, often just below the weights."""
+    before = anonymous_ranges()
+    weights = written(16 * MIB)
+    other = mmap.mmap(-1, 16 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        ranges = fresh_ranges(before, anonymous_ranges())
+        address = ctypes.addressof(ctypes.c_char.from_buffer(other))
+        assert any(s <= address < e for s, e in ranges)  # advised with the weights
+        pages = back_with_huge_pages(ranges, expected=16 * MIB)
+        assert pages.error is None, pages.error
+        assert 14 * MIB <= pages.huge < 32 * MIB  # the weights, not the untouched memory
+    finally:
+        weights.close()
+        other.close()
+
+
 def test_nothing_new_is_reported_not_advised() -> None:
-    pages = back_with_huge_pages([])
+    pages = back_with_huge_pages([], expected=64 * MIB)
     assert pages.advised == pages.huge == 0 and pages.error

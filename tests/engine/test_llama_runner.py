@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -393,10 +394,14 @@ async def test_decodes_reuse_the_compute_graph(
     assert perf.n_reused >= perf.n_eval - 2
 
 
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="the kernel has no transparent huge pages",
+)
 async def test_weights_are_read_into_huge_pages_unless_mapped() -> None:
     """By default the weights are read into the process's own memory and moved into 2 MiB
-    pages (a decode is a few percent faster: docs/benchmarks/README.md); `mmap_weights` maps
-    the file as llama.cpp does. Either way the model answers the same."""
+    pages (docs/benchmarks/README.md, "Weights in huge pages"); `mmap_weights` maps the file
+    as llama.cpp does. Either way the model answers the same."""
     import llama_cpp
 
     from tributary.engine.core import open_runner
@@ -411,6 +416,8 @@ async def test_weights_are_read_into_huge_pages_unless_mapped() -> None:
         runner = await open_runner(config)
         assert isinstance(runner, LlamaRunner)
         pages = runner.huge_pages
+        mapped = runner.info.path in Path("/proc/self/maps").read_text()
+        assert mapped == mmap_weights
         if mmap_weights:
             assert pages is None
         else:
