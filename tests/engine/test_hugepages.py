@@ -13,6 +13,7 @@ from tributary.engine.runners.hugepages import (
     HUGE_PAGE,
     anonymous_ranges,
     back_with_huge_pages,
+    collapse_available,
     fresh_ranges,
     huge_bytes,
 )
@@ -70,8 +71,7 @@ def test_huge_bytes_counts_only_mappings_inside_the_ranges(tmp_path: Path) -> No
 
 
 THP = pytest.mark.skipif(
-    not Path("/sys/kernel/mm/transparent_hugepage").exists(),
-    reason="the kernel has no transparent huge pages",
+    not collapse_available(), reason="this kernel does not collapse memory into huge pages"
 )
 
 

@@ -10,6 +10,7 @@ import trio
 
 from tributary import engine
 from tributary.engine import Done, EngineConfig, Frame, GenerateRequest, SamplingParams
+from tributary.engine.runners.hugepages import collapse_available
 
 pytestmark = pytest.mark.model
 
@@ -395,8 +396,7 @@ async def test_decodes_reuse_the_compute_graph(
 
 
 @pytest.mark.skipif(
-    not Path("/sys/kernel/mm/transparent_hugepage").exists(),
-    reason="the kernel has no transparent huge pages",
+    not collapse_available(), reason="this kernel does not collapse memory into huge pages"
 )
 async def test_weights_are_read_into_huge_pages_unless_mapped() -> None:
     """By default the weights are read into the process's own memory and moved into 2 MiB
