@@ -87,14 +87,13 @@ def fresh_ranges(before: list[Range], after: list[Range]) -> list[Range]:
     for start, end in after:
         pieces = [(start, end)]
         for old_start, old_end in before:
-            pieces = [
-                piece
-                for s, e in pieces
-                for piece in (
-                    [(s, e)] if old_end <= s or e <= old_start else [(s, old_start), (old_end, e)]
-                )
-                if piece[0] < piece[1]
-            ]
+            kept = []
+            for s, e in pieces:
+                if old_end <= s or e <= old_start:
+                    kept.append((s, e))  # apart from the old range
+                else:  # what lies either side of it
+                    kept += [p for p in ((s, old_start), (old_end, e)) if p[0] < p[1]]
+            pieces = kept
         for s, e in pieces:
             s, e = -(-s // HUGE_PAGE) * HUGE_PAGE, e // HUGE_PAGE * HUGE_PAGE
             if s < e:
@@ -134,6 +133,8 @@ def back_with_huge_pages(ranges: list[Range], expected: int) -> HugePages:
     (EINVAL) on its own, without keeping the weights' regions from being collapsed. Success
     is `expected` bytes in huge pages, less the two ends that may share a page with other
     memory; short of that, `error` names the first refusal."""
+    if not ranges:
+        return HugePages(0, 0, "no anonymous memory was added by the load")
     advised = sum(e - s for s, e in ranges)
     madvise = _madvise()
     if madvise is None:
@@ -150,8 +151,6 @@ def back_with_huge_pages(ranges: list[Range], expected: int) -> HugePages:
             # says more about the weights.
             if code and (refused is None or refused[0] == errno.EINVAL):
                 refused = (code, f"{name}: {os.strerror(code)} ({errno.errorcode.get(code, code)})")
-    if not ranges:
-        return HugePages(0, 0, "no anonymous memory was added by the load")
     huge = huge_bytes(ranges)
     if huge > 0 and huge >= expected - 2 * HUGE_PAGE:
         return HugePages(advised, huge)
