@@ -16,7 +16,9 @@ per request:
 
 The measurements of a round: `tributary bench` (a separate process) measures streaming
 `/v1/completions` at each concurrency (Tributary also over `/generate`), each with its own
-warm-up, then one client sends unary `/v1/completions` of 200 tokens.
+warm-up, then one client sends unary `/v1/completions` of 200 tokens, taking turns between
+the servers request by request (each prompt to every server back to back), so a unary ratio
+pairs two requests seconds apart.
 
 Interleaved (the default): every server is started once, up front, each on its own port with
 its own log (together they take about 7 GB), and each measurement of a round is run on every
@@ -163,6 +165,12 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
         "tributary-gc-off": ServerSpec(
             "tributary --gc-threshold 0",
             [*tributary, "--gc-threshold", "0"],
+            "/health",
+            backends=("openai", "generate"),
+        ),
+        "tributary-prefill-256": ServerSpec(
+            "tributary --max-prefill-tokens 256",
+            [*tributary, "--max-prefill-tokens", "256"],
             "/health",
             backends=("openai", "generate"),
         ),
@@ -622,50 +630,88 @@ def run_client(
     return json.loads(out.read_text()), argv
 
 
-def run_unary(server: Server, prompts_file: str, tokens: int, model: str | None) -> dict[str, Any]:
-    """One client, unary /v1/completions, `tokens` greedy tokens each: tok/s per request."""
-    doc = json.loads(Path(prompts_file).read_text())
-    extra = fill(server.spec.extra_body, tokens)
-    runs = []
-    with httpx.Client(timeout=600.0, trust_env=False) as client:
-        if model is None:
-            model = client.get(server.url + "/v1/models").json()["data"][0]["id"]
-        for i, prompt in enumerate(doc["warmup_prompts"] + doc["prompts"]):
-            body = {
-                "model": model,
-                "prompt": prompt["text"],
-                "max_tokens": tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                **extra,
-            }
-            t0 = time.perf_counter()
-            response = client.post(server.url + "/v1/completions", json=body)
-            elapsed = time.perf_counter() - t0
-            answer = response.json() if response.status_code == 200 else {}
-            usage = answer.get("usage") or {}
-            n = usage.get("completion_tokens") or 0
-            runs.append(
-                {
-                    "warmup": i < len(doc["warmup_prompts"]),
-                    "status": response.status_code,
-                    "prompt_tokens": usage.get("prompt_tokens"),
-                    "completion_tokens": n,
-                    "seconds": elapsed,
-                    "tokens_per_s": n / elapsed if n else None,
-                    "server_timings": answer.get("timings"),
-                }
-            )
-    measured = [r for r in runs if not r["warmup"] and r["tokens_per_s"]]
-    rates = [r["tokens_per_s"] for r in measured]
-    return {
-        "requests": runs,
-        "failed": sum(1 for r in runs if not r["warmup"] and r["status"] != 200),
-        "median_tokens_per_s": statistics.median(rates) if rates else None,
-        "min_tokens_per_s": min(rates) if rates else None,
-        "max_tokens_per_s": max(rates) if rates else None,
-        "ms_per_token_median": 1000 / statistics.median(rates) if rates else None,
+def unary_request(
+    client: httpx.Client, server: Server, model: str, prompt: str, tokens: int
+) -> dict[str, Any]:
+    """One unary /v1/completions of `tokens` greedy tokens: its status, tokens, time, tok/s."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **fill(server.spec.extra_body, tokens),
     }
+    started = time.time()
+    t0 = time.perf_counter()
+    response = client.post(server.url + "/v1/completions", json=body)
+    elapsed = time.perf_counter() - t0
+    answer = response.json() if response.status_code == 200 else {}
+    usage = answer.get("usage") or {}
+    n = usage.get("completion_tokens") or 0
+    return {
+        "status": response.status_code,
+        "start_unix": round(started, 3),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": n,
+        "seconds": elapsed,
+        "tokens_per_s": n / elapsed if n else None,
+        "server_timings": answer.get("timings"),
+    }
+
+
+def run_unary(servers: list[Server], prompts_file: str, tokens: int) -> list[dict[str, Any]]:
+    """One client, unary /v1/completions, `tokens` greedy tokens each, taking turns request by
+    request: each prompt goes to every server of `servers` back to back before the next
+    prompt, in an order changed from one prompt to the next, so the requests a ratio pairs
+    are seconds apart (one request takes about 3 s) and of any two servers each goes first
+    equally often (an order and its reverse in every two prompts; rotated every two, so that
+    how far apart two servers' requests are varies too). Returns each server's result: its
+    requests (tok/s each, with when it started) and their median."""
+    doc = json.loads(Path(prompts_file).read_text())
+    prompts = [(True, p["text"]) for p in doc["warmup_prompts"]]
+    prompts += [(False, p["text"]) for p in doc["prompts"]]
+    runs: list[list[dict[str, Any]]] = [[] for _ in servers]
+    # CPU seconds each server used while another one's measured requests ran, and how long
+    # those ran: an idle server's work lands on the server measured.
+    idle_cpu = [0.0] * len(servers)
+    idle_wall = [0.0] * len(servers)
+    with httpx.Client(timeout=600.0, trust_env=False) as client:
+        models = [client.get(s.url + "/v1/models").json()["data"][0]["id"] for s in servers]
+        for i, (warmup, prompt) in enumerate(prompts):
+            # Rotated every other prompt and reversed in between, so that of any two servers
+            # each goes first equally often, not only a server and the next in the cycle.
+            order = rotated(list(range(len(servers))), i // 2)
+            for k in order if i % 2 == 0 else order[::-1]:
+                before = [s.cpu_seconds() for s in servers]
+                request = unary_request(client, servers[k], models[k], prompt, tokens)
+                runs[k].append({"warmup": warmup, "prompt": i} | request)
+                if warmup:
+                    continue
+                for j, server in enumerate(servers):
+                    if j != k:
+                        idle_cpu[j] += server.cpu_seconds() - before[j]
+                        idle_wall[j] += request["seconds"]
+    results = []
+    for k, server_runs in enumerate(runs):
+        measured = [r for r in server_runs if not r["warmup"] and r["tokens_per_s"]]
+        rates = [r["tokens_per_s"] for r in measured]
+        results.append(
+            {
+                "requests": server_runs,
+                "failed": sum(1 for r in server_runs if not r["warmup"] and r["status"] != 200),
+                "median_tokens_per_s": statistics.median(rates) if rates else None,
+                "min_tokens_per_s": min(rates) if rates else None,
+                "max_tokens_per_s": max(rates) if rates else None,
+                "ms_per_token_median": 1000 / statistics.median(rates) if rates else None,
+            }
+            | (
+                {"idle_cpu_s_own": round(idle_cpu[k], 3), "idle_wall_s": round(idle_wall[k], 2)}
+                if len(servers) > 1
+                else {}
+            )
+        )
+    return results
 
 
 def compact(result: dict[str, Any]) -> dict[str, Any]:
@@ -704,32 +750,19 @@ def measure_once(
     prompts_file: str,
     args: argparse.Namespace,
     tmp: Path,
-) -> tuple[dict[str, Any], str | None]:
-    """Measure `m` on `server` with the prompts of `prompts_file`, the other servers of
-    `running` idle. Returns the result, with when it started (Unix s), the load on the machine
-    (the servers count as the benchmark's), whether others used more than --contamination
-    cores, and each idle server's CPU seconds meanwhile; and the client's command line (None
-    for the unary test, which this script sends itself)."""
+) -> tuple[dict[str, Any], str]:
+    """Measure streaming `m` on `server` with the prompts of `prompts_file`, the other
+    servers of `running` idle. Returns the result, with when it started (Unix s), the load on
+    the machine (the servers count as the benchmark's), whether others used more than
+    --contamination cores, and each idle server's CPU seconds meanwhile; and the client's
+    command line."""
+    assert m.level is not None
     idle = [s for s in running if s is not server]
     idle_before = [s.cpu_seconds() for s in idle]
     started = time.time()
     probe = LoadProbe.begin(benchmark_cpu(running))
-    command = None
-    if m.level is None:
-        result = run_unary(server, prompts_file, args.unary_tokens, None)
-        shown = f"unary {args.unary_tokens} tokens {result['median_tokens_per_s']:7.1f} tok/s"
-    else:
-        label = server.spec.label + ("" if m.backend == "openai" else " (/generate)")
-        result, argv = run_client(
-            server, m.backend, m.level, prompts_file, args.output_len, label, tmp
-        )
-        command = shlex.join(argv)
-        shown = (
-            f"{m.backend:8s} c={m.level.concurrency:<3d} {result['output_throughput']:7.1f} "
-            f"tok/s  ttft p50 {result['median_ttft_ms']:7.1f} p99 "
-            f"{result['p99_ttft_ms']:7.1f} ms  failed {result['failed']}  client cpu "
-            f"{result['client_cpu_load']:.0%}"
-        )
+    label = server.spec.label + ("" if m.backend == "openai" else " (/generate)")
+    result, argv = run_client(server, m.backend, m.level, prompts_file, args.output_len, label, tmp)
     load = probe.end(benchmark_cpu(running))
     result |= {
         "started_unix": round(started, 2),
@@ -741,8 +774,35 @@ def measure_once(
             s.spec.label: round(s.cpu_seconds() - before, 3)
             for s, before in zip(idle, idle_before, strict=True)
         }
-    progress(f"  {server.spec.label:<22s} {shown}  others {load['other_cores']:.2f} cores")
-    return result, command
+    progress(
+        f"  {server.spec.label:<22s} {m.backend:8s} c={m.level.concurrency:<3d} "
+        f"{result['output_throughput']:7.1f} tok/s  ttft p50 {result['median_ttft_ms']:7.1f} "
+        f"p99 {result['p99_ttft_ms']:7.1f} ms  failed {result['failed']}  client cpu "
+        f"{result['client_cpu_load']:.0%}  others {load['other_cores']:.2f} cores"
+    )
+    return result, shlex.join(argv)
+
+
+def measure_unary(
+    order: list[Server], running: list[Server], prompts_file: str, args: argparse.Namespace
+) -> list[tuple[Server, dict[str, Any], None]]:
+    """The unary test on every server of `order` together, taking turns request by request
+    (`run_unary`). Each server's result carries the load on the machine during the whole
+    test and whether it was contaminated, and what the server used while the others'
+    requests ran (`idle_cpu_s_own`, in `idle_wall_s` of them)."""
+    started = time.time()
+    probe = LoadProbe.begin(benchmark_cpu(running))
+    results = run_unary(order, prompts_file, args.unary_tokens)
+    load = probe.end(benchmark_cpu(running))
+    contaminated = load["other_cores"] > args.contamination
+    for server, result in zip(order, results, strict=True):
+        result |= {"started_unix": round(started, 2), "load": load, "contaminated": contaminated}
+        progress(
+            f"  {server.spec.label:<22s} unary {args.unary_tokens} tokens "
+            f"{fmt(result['median_tokens_per_s']):>7s} tok/s  failed {result['failed']}  "
+            f"others {load['other_cores']:.2f} cores"
+        )
+    return [(server, result, None) for server, result in zip(order, results, strict=True)]
 
 
 def measure_slot(
@@ -755,14 +815,19 @@ def measure_slot(
     args: argparse.Namespace,
     tmp: Path,
 ) -> None:
-    """Measure `m` on each server of `order` in turn, on the same prompts, and add the results
-    to the servers' records of this round (`records`, by label). If others used more than
+    """Measure `m` on each server of `order` in turn, on the same prompts (the unary test:
+    request by request in turn), and add the results to the servers' records of this round
+    (`records`, by label). If others used more than
     --contamination cores during any of them, wait for quiet and measure them all again on
     fresh prompts (up to --attempts tries): the servers' figures stay seconds apart. The
     tables use the last try, marked `used` (the unary test: the record's `unary`)."""
     for attempt in range(args.attempts):
         prompts = prompt_files[m.prompt_key(round_no, attempt)]
-        done = [(s, *measure_once(s, running, m, prompts, args, tmp)) for s in order]
+        done: list[tuple[Server, dict[str, Any], str | None]]
+        if m.level is None:
+            done = list(measure_unary(order, running, prompts, args))
+        else:
+            done = [(s, *measure_once(s, running, m, prompts, args, tmp)) for s in order]
         busy = any(result["contaminated"] for _, result, _ in done)
         last = not busy or attempt == args.attempts - 1
         for server, result, command in done:
@@ -997,8 +1062,16 @@ def idle_cpu(records: list[dict[str, Any]], label: str) -> dict[str, float | Non
     spent = [
         (run["idle_cpu_s"][label], run["load"]["wall_s"])
         for rec in records
-        for run in rec["runs"] + rec.get("unary_attempts", [])
+        for run in rec["runs"]
         if label in run.get("idle_cpu_s", {})
+    ]
+    # The unary test: what the server used during the other servers' requests.
+    spent += [
+        (run["idle_cpu_s_own"], run["idle_wall_s"])
+        for rec in records
+        if rec["label"] == label
+        for run in rec.get("unary_attempts", [])
+        if "idle_cpu_s_own" in run
     ]
     cpu, wall = sum(c for c, _ in spent), sum(w for _, w in spent)
     return {
@@ -1064,10 +1137,18 @@ def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any
     servers = sorted({rec["label"] for rec in records}, key=[r["label"] for r in records].index)
 
     def unary_points(label: str) -> list[tuple[Any, float | None, float | None]]:
+        """(round and prompt, tok/s, when it started) of each measured unary request: the
+        servers got the same prompts, so a pair is the same request on two servers."""
         return [
-            (rec["round"], rec["unary"]["median_tokens_per_s"], run_start(rec["unary"]))
+            (
+                (rec["round"], rec["unary"].get("attempt", 0), r.get("prompt", i)),
+                r["tokens_per_s"],
+                r.get("start_unix"),
+            )
             for rec in records
             if rec["label"] == label and rec.get("unary")
+            for i, r in enumerate(rec["unary"]["requests"])
+            if not r["warmup"]
         ]
 
     ls_unary = {key: (value, start) for key, value, start in unary_points("llama-server")}
@@ -1077,8 +1158,6 @@ def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any
         points = unary_points(label)
         unary = [value for _, value, _ in points if value is not None]
         unary_ratio, unary_gaps = paired(points, ls_unary)
-        if label == "tributary":
-            tributary_gaps += unary_gaps
         # An interleaved run reads memory once, at the end, and has one start-up per server.
         rss = [rec["memory"]["peak_rss_mib"] for rec in recs if "memory" in rec]
         per_server.append(
@@ -1093,6 +1172,8 @@ def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any
                 "unary_vs_llama_server": med(unary_ratio),
                 "unary_vs_llama_server_min": min(unary_ratio) if unary_ratio else None,
                 "unary_vs_llama_server_max": max(unary_ratio) if unary_ratio else None,
+                "unary_pairs": len(unary_ratio),
+                "unary_ahead": sum(1 for v in unary_ratio if v > 1.0),
                 "unary_vs_llama_server_gap_s": med(unary_gaps) if label != "llama-server" else None,
                 "other_cores_max": max(rec["load"]["other_cores"] for rec in recs),
                 "other_cores_median": med([rec["load"]["other_cores"] for rec in recs]),
@@ -1106,7 +1187,7 @@ def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any
     }
 
 
-def targets(summary: dict[str, Any], top: int) -> list[dict[str, Any]]:
+def targets(summary: dict[str, Any], top: int, unary_tokens: int) -> list[dict[str, Any]]:
     rows = {(r["label"], r["concurrency"]): r for r in summary["rows"]}
     out = []
     for (label, c), row in sorted(rows.items(), key=lambda kv: kv[0][1]):
@@ -1143,7 +1224,7 @@ def targets(summary: dict[str, Any], top: int) -> list[dict[str, Any]]:
         v = uni["tributary"]["unary_vs_llama_server"]
         out.append(
             {
-                "target": "tributary unary 200-token tok/s >= 1.0x llama-server",
+                "target": f"tributary unary {unary_tokens}-token tok/s >= 1.0x llama-server",
                 "value": v,
                 "range": [
                     uni["tributary"]["unary_vs_llama_server_min"],
@@ -1275,6 +1356,13 @@ def method_lines(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+def unary_turns(doc: dict[str, Any]) -> bool:
+    """Whether the unary test took turns request by request between servers (interleaved
+    runs since its requests recorded when each started)."""
+    requests = (r for rec in doc["records"] for r in rec.get("unary", {}).get("requests", []))
+    return doc["config"].get("mode") == "interleaved" and any("start_unix" in r for r in requests)
+
+
 def render_markdown(doc: dict[str, Any], notes: str) -> str:
     s, m = doc["summary"], doc["machine"]
     top = max(doc["config"]["concurrency"])
@@ -1326,7 +1414,15 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         + ".",
         f"- Unary: one client, `/v1/completions` without streaming, "
         f"{doc['config']['unary_tokens']} greedy tokens, {doc['config']['unary_requests']} "
-        "requests after one warm-up; tok/s = completion tokens / request time.",
+        "requests after one warm-up; tok/s = completion tokens / request time."
+        + (
+            " The servers took turns request by request: each prompt went to every server "
+            "back to back, in an order changed from one prompt to the next so that of any two "
+            "servers each went first equally often, and a ratio pairs the same prompt's "
+            "requests."
+            if unary_turns(doc)
+            else ""
+        ),
         *method_lines(doc),
         "",
         "## Streaming output throughput and latency",
@@ -1394,9 +1490,14 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
         "## Single request, unary, and memory",
         "",
-        "| server | unary tok/s | vs llama-server | apart (s) | ms/token | peak RSS (MiB) "
-        "| start-up (s) | idle CPU (cores) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "Unary tok/s: the median over every measured request (the range of requests in",
+        "brackets). `vs llama-server`: the median of the per-request ratios, the same prompt on",
+        "both servers (their range in brackets); `faster in`: in how many of those pairs the",
+        "server was the faster; `apart (s)`: the median time between the paired requests' starts.",
+        "",
+        "| server | unary tok/s | vs llama-server | faster in | apart (s) | ms/token "
+        "| peak RSS (MiB) | start-up (s) | idle CPU (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in s["servers"]:
         ratio = ratio_cell(
@@ -1405,9 +1506,11 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
             v["unary_vs_llama_server_max"],
         )
         ms = 1000 / v["unary_tokens_per_s"] if v["unary_tokens_per_s"] else None
+        pairs = v.get("unary_pairs") if v["label"] != "llama-server" else None
+        ahead = f"{v['unary_ahead']}/{pairs}" if pairs else "-"
         lines.append(
             f"| {v['label']} | {fmt(v['unary_tokens_per_s'])} [{fmt(v['unary_tokens_per_s_min'])}, "
-            f"{fmt(v['unary_tokens_per_s_max'])}] | {ratio} | "
+            f"{fmt(v['unary_tokens_per_s_max'])}] | {ratio} | {ahead} | "
             f"{fmt(v['unary_vs_llama_server_gap_s'], '.0f')} | {fmt(ms, '.2f')} | "
             f"{fmt(v['peak_rss_mib'], '.0f')} | {fmt(v['startup_s'])} | "
             f"{fmt(v['idle_cores'], '.3f')} |"
@@ -1531,7 +1634,7 @@ def main() -> None:
     p.add_argument("--min-prompts", type=int, default=8, help="at least this many per level")
     p.add_argument("--input-len", type=int, default=60)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--unary-requests", type=int, default=5)
+    p.add_argument("--unary-requests", type=int, default=8)
     p.add_argument("--unary-tokens", type=int, default=200)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
@@ -1572,7 +1675,7 @@ def main() -> None:
         doc = json.loads(args.output.read_text())
         top = max(doc["config"]["concurrency"])
         doc["summary"] = summarize(doc["records"], [])
-        doc["targets"] = targets(doc["summary"], top)
+        doc["targets"] = targets(doc["summary"], top, doc["config"]["unary_tokens"])
         write_json({k: v for k, v in doc.items() if k != "plots"}, args.output)
         doc["plots"] = plots(doc["records"], doc["summary"], top, args.markdown.parent)
         args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
@@ -1633,7 +1736,7 @@ def main() -> None:
         "prompts": {k: v for k, v in prompt_info.items() if k not in ("files", "master")}
         | {"texts": [p["text"] for p in master["prompts"]]},
         "summary": summary,
-        "targets": targets(summary, top),
+        "targets": targets(summary, top, args.unary_tokens),
         "records": records,
     }
     write_json(doc, args.output)
