@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prompt tokens one step prefills, all prompts together "
-        "(default: one chunk, --chunked-prefill-size)",
+        f"(default: {defaults.prefill_budget}, or --chunked-prefill-size if larger)",
     )
     p.add_argument("--stream-interval", type=int, default=defaults.stream_interval)
     p.add_argument(
