@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prompt tokens one step prefills, all prompts together "
-        f"(default: {defaults.prefill_budget}, or --chunked-prefill-size if larger)",
+        "(default: one chunk, --chunked-prefill-size)",
     )
     p.add_argument("--stream-interval", type=int, default=defaults.stream_interval)
     p.add_argument(

@@ -7,10 +7,6 @@ from typing import Literal
 
 __all__ = ["EngineConfig", "SimLatency"]
 
-#: Prompt tokens a step prefills when `max_prefill_tokens` is unset: llama.cpp's default
-#: ubatch, which the llama runner's largest graph matches (eight 60-token prompts a step).
-DEFAULT_PREFILL_BUDGET = 512
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SimLatency:
@@ -50,11 +46,11 @@ class EngineConfig:
     #: `--max-prefill-tokens`; llama-server's `--batch-size` plays the same part). Each
     #: prompt still advances by at most one chunk a step, cut at the same fixed boundaries,
     #: so this only decides how many prompts start together: a burst of short prompts is
-    #: prefilled in fewer steps, at the cost of a longer pause for the sequences decoding
-    #: meanwhile. None: DEFAULT_PREFILL_BUDGET, or one chunk if a chunk is longer. Measured
-    #: on bursts of 16 60-token prompts over HTTP (docs/benchmarks/serving.md): 512 (eight
-    #: prompts a step) put the last first token at 0.93 of llama-server's, one chunk (four a
-    #: step) at 0.98; 2,048 makes everyone wait for the whole burst, as llama-server does.
+    #: prefilled in one step instead of one chunk's worth per step, at the cost of a longer
+    #: pause for the sequences decoding meanwhile. None: one chunk. Measured on a burst of 16
+    #: 60-token prompts (docs/benchmarks/serving.md): 2,048 gave the same throughput and p99
+    #: time to first token as one chunk, and twice the median (everyone waits for the whole
+    #: burst's prefill, as llama-server makes them), so one chunk is the default.
     max_prefill_tokens: int | None = None
     #: Emit a Frame every this many tokens (per-request `stream_interval` overrides it).
     stream_interval: int = 1
@@ -134,7 +130,7 @@ class EngineConfig:
     @property
     def prefill_budget(self) -> int:
         """Prompt tokens one step may prefill."""
-        return self.max_prefill_tokens or max(self.prefill_chunk_tokens, DEFAULT_PREFILL_BUDGET)
+        return self.max_prefill_tokens or self.prefill_chunk_tokens
 
     @property
     def prefix_cache_bytes(self) -> int:

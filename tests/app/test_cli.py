@@ -224,13 +224,13 @@ def test_kv_flags_map_to_engine_config() -> None:
 
 def test_prefill_flags_map_to_engine_config() -> None:
     args = build_parser().parse_args(
-        ["serve", "--chunked-prefill-size", "128", "--max-prefill-tokens", "1024"]
+        ["serve", "--chunked-prefill-size", "128", "--max-prefill-tokens", "512"]
     )
     engine_config, _ = configs(args)
     assert engine_config.prefill_chunk_tokens == 128
-    assert engine_config.prefill_budget == 1024
+    assert engine_config.prefill_budget == 512
     defaults, _ = configs(build_parser().parse_args(["serve"]))
-    assert defaults.prefill_chunk_tokens == 256 and defaults.prefill_budget == 512
+    assert defaults.prefill_chunk_tokens == 256 and defaults.prefill_budget == 256
     too_small = build_parser().parse_args(["serve", "--max-prefill-tokens", "100"])
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         configs(too_small)

@@ -174,16 +174,14 @@ async def test_abort_during_a_restore_frees_slot_kv_and_pin(
     assert eng.stats().prefix_cache_entries == 1  # the entry itself stays
 
 
-@pytest.mark.tributary_config(max_prefill_tokens=256)
 async def test_abort_before_a_restore_is_planned_frees_the_pin(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:
     eng = tributary_engine
     ids = prompt(700)
     await run(eng, ids_request(ids))
-    # Admitted together: the cold prompt's first chunk takes the step's prefill budget (one
-    # chunk), so the other waits a step with its cache hit pinned; it leaves before being
-    # planned.
+    # Admitted together: the cold prompt's first chunk takes the step's prefill budget, so
+    # the other waits a step with its cache hit pinned; it leaves before being planned.
     cold = eng.submit(ids_request(prompt(600, start=3)))
     hit = eng.submit(ids_request(ids))
     await trio.sleep(testing.step_time(LAT, prefill=256) / 2)

@@ -133,13 +133,12 @@ async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
     assert big_items[-1][1].prompt_tokens == 2000
 
 
-@pytest.mark.parametrize("budget", [256, None, 1024])
+@pytest.mark.parametrize("budget", [256, 1024])
 async def test_a_burst_of_prompts_starts_within_the_prefill_budget(
-    autojump_clock: trio.abc.Clock, budget: int | None
+    autojump_clock: trio.abc.Clock, budget: int
 ) -> None:
     """Sixteen 60-token prompts arriving at once: with a 256-token budget they start four
-    at a time, a step apart; with the default (512) eight at a time; with 1,024 all sixteen
-    get their first token from one step."""
+    at a time, a step apart; with 1,024 all sixteen get their first token from one step."""
     config = sim_config(max_running_requests=16, max_prefill_tokens=budget)
     first_token: list[float] = []
     async with engine.open_engine(config) as eng:
@@ -157,11 +156,6 @@ async def test_a_burst_of_prompts_starts_within_the_prefill_budget(
                 nursery.start_soon(first, stream)
     if budget == 1024:
         assert first_token == [pytest.approx(step_cost(prefill=960))] * 16
-    elif budget is None:
-        waves = sorted(set(first_token))
-        assert len(waves) == 2 and first_token.count(waves[0]) == 8
-        assert waves[0] == pytest.approx(step_cost(prefill=480))
-        assert waves[1] > 2 * step_cost(prefill=480)
     else:
         waves = sorted(set(first_token))
         assert len(waves) == 4 and first_token.count(waves[-1]) == 4
@@ -172,11 +166,8 @@ async def test_a_burst_of_prompts_starts_within_the_prefill_budget(
 def test_a_prefill_budget_smaller_than_a_chunk_is_refused() -> None:
     with pytest.raises(ValueError, match=r"max_prefill_tokens .* must be at least"):
         EngineConfig(prefill_chunk_tokens=256, max_prefill_tokens=128)
-    # Unset, the budget is 512 tokens (llama.cpp's ubatch), or one chunk if that is longer.
-    assert EngineConfig().prefill_budget == 512
+    # Unset, the budget is one chunk.
     assert EngineConfig(prefill_chunk_tokens=4096).prefill_budget == 4096
-    # A budget below the default is allowed: one chunk a step, as before the default grew.
-    assert EngineConfig(max_prefill_tokens=256).prefill_budget == 256
 
 
 @pytest.mark.tributary_config(max_running_requests=1, max_queued_requests=2)
@@ -410,7 +401,7 @@ async def test_closing_a_generator_around_the_stream_aborts(
     assert eng.stats().running == 0 and eng.stats().kv_used_cells == 0
 
 
-@pytest.mark.tributary_config(prefill_chunk_tokens=8, max_prefill_tokens=8, sim_fail_at_step=1)
+@pytest.mark.tributary_config(prefill_chunk_tokens=8, sim_fail_at_step=1)
 async def test_runner_failure_spares_sequences_outside_the_failed_step(
     tributary_engine: engine.Engine,
     autojump_clock: trio.abc.Clock,
