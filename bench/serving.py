@@ -785,7 +785,7 @@ def measure_once(
 
 def measure_unary(
     order: list[Server], running: list[Server], prompts_file: str, args: argparse.Namespace
-) -> list[tuple[Server, dict[str, Any], None]]:
+) -> list[tuple[Server, dict[str, Any], str | None]]:
     """The unary test on every server of `order` together, taking turns request by request
     (`run_unary`). Each server's result carries the load on the machine during the whole
     test and whether it was contaminated, and what the server used while the others'
@@ -817,15 +817,15 @@ def measure_slot(
 ) -> None:
     """Measure `m` on each server of `order` in turn, on the same prompts (the unary test:
     request by request in turn), and add the results to the servers' records of this round
-    (`records`, by label). If others used more than
-    --contamination cores during any of them, wait for quiet and measure them all again on
-    fresh prompts (up to --attempts tries): the servers' figures stay seconds apart. The
-    tables use the last try, marked `used` (the unary test: the record's `unary`)."""
+    (`records`, by label). If others used more than --contamination cores during any of
+    them, wait for quiet and measure them all again on fresh prompts (up to --attempts
+    tries): the servers' figures stay seconds apart. The tables use the last try, marked
+    `used` (the unary test: the record's `unary`)."""
     for attempt in range(args.attempts):
         prompts = prompt_files[m.prompt_key(round_no, attempt)]
         done: list[tuple[Server, dict[str, Any], str | None]]
         if m.level is None:
-            done = list(measure_unary(order, running, prompts, args))
+            done = measure_unary(order, running, prompts, args)
         else:
             done = [(s, *measure_once(s, running, m, prompts, args, tmp)) for s in order]
         busy = any(result["contaminated"] for _, result, _ in done)
