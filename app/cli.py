@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens one step prefills, all prompts together "
         "(default: one chunk, --chunked-prefill-size)",
     )
+    p.add_argument(
+        "--burst-prefill-tokens",
+        type=int,
+        default=defaults.burst_prefill_tokens,
+        help="requests admitted together decode once all have a first token, if their "
+        "prompts hold at most this many tokens (default: %(default)s; 0: off)",
+    )
     p.add_argument("--stream-interval", type=int, default=defaults.stream_interval)
     p.add_argument(
         "--incremental-streaming-output",
@@ -217,6 +224,7 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         max_queued_requests=args.max_queued_requests,
         prefill_chunk_tokens=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        burst_prefill_tokens=args.burst_prefill_tokens,
         stream_interval=args.stream_interval,
         threads=args.threads,
         enable_custom_logit_processor=args.enable_custom_logit_processor,

@@ -174,6 +174,12 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
             "/health",
             backends=("openai", "generate"),
         ),
+        "tributary-burst-0": ServerSpec(
+            "tributary --burst-prefill-tokens 0",
+            [*tributary, "--burst-prefill-tokens", "0"],
+            "/health",
+            backends=("openai", "generate"),
+        ),
         "tributary-prefill-2048": ServerSpec(
             "tributary --max-prefill-tokens 2048",
             [*tributary, "--max-prefill-tokens", "2048"],

@@ -52,6 +52,13 @@ class EngineConfig:
     #: time to first token as one chunk, and twice the median (everyone waits for the whole
     #: burst's prefill, as llama-server makes them), so one chunk is the default.
     max_prefill_tokens: int | None = None
+    #: Requests admitted together (a burst) are prefilled before any of them decodes, when
+    #: their prompts hold at most this many tokens still to compute: those that get their
+    #: first token early wait for the rest's first tokens instead of decoding beside their
+    #: prefill. As llama-server batches a burst's prompts (up to its `--batch-size`, 2,048),
+    #: so the burst's last first token comes without decodes before it; requests admitted
+    #: earlier decode as ever. 0: every request decodes from the step after its first token.
+    burst_prefill_tokens: int = 2048
     #: Emit a Frame every this many tokens (per-request `stream_interval` overrides it).
     stream_interval: int = 1
     #: CPU threads for llama.cpp; None means all cores.
@@ -111,6 +118,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_prefill_tokens ({self.max_prefill_tokens}) must be at least "
                 f"prefill_chunk_tokens ({self.prefill_chunk_tokens})"
+            )
+        if self.burst_prefill_tokens < 0:
+            raise ValueError(
+                f"burst_prefill_tokens must be at least 0, got {self.burst_prefill_tokens}"
             )
         if self.max_queued_requests < 0:
             raise ValueError(

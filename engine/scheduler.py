@@ -108,6 +108,9 @@ class Sequence:
         #: The sequence with the same prompt whose prefill this one waits to fork, and the
         #: sequences waiting to fork this one's.
         self.leader: Sequence | None = None
+        #: The members of this request's burst (requests admitted with it) whose first token
+        #: is still to come, shared by them all: its decodes are held while it is not empty.
+        self.burst: set[Sequence] | None = None
         self.forks: list[Sequence] = []
         self.output_ids: list[int] = []
         self.emitted_ids = 0  # output_ids already sent in a Frame
@@ -194,6 +197,7 @@ class Scheduler:
         self.max_running = config.max_running_requests
         self.prefill_chunk = config.prefill_chunk_tokens
         self.prefill_budget = config.prefill_budget
+        self.burst_tokens = config.burst_prefill_tokens
         self.kv_total_cells = kv_total_cells
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order
@@ -350,12 +354,14 @@ class Scheduler:
 
     def _admit(self) -> None:
         now = trio.current_time() if self.waiting else 0.0
+        admitted: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
             seq.admitted_at = now
             if seq.max_new_tokens == 0 and not seq.scores_prompt:
                 self._finish(seq, length_reason(0))
                 continue
+            admitted.append(seq)
             seq.slot = heapq.heappop(self._free_slots)
             params = seq.params
             if seq.hooks is not None and params.logit_bias:
@@ -365,6 +371,20 @@ class Scheduler:
             self.runner.open_sequence(seq.slot, params)
             self.running.append(seq)
             self._reuse_kv(seq)
+        if len(admitted) > 1 and self.burst_tokens:
+            self._hold_burst(admitted)
+
+    def _hold_burst(self, admitted: list[Sequence]) -> None:
+        """Requests admitted together decode only once all of them have their first token,
+        if their prompts hold at most `burst_tokens` tokens still to compute (forks compute
+        none: their leader's prompt is theirs)."""
+        remaining = sum(len(s.prompt_ids) - s.prefilled for s in admitted if s.leader is None)
+        if remaining > self.burst_tokens:
+            return
+        burst = {s for s in admitted if s.max_new_tokens > 0}
+        if len(burst) > 1:
+            for seq in burst:
+                seq.burst = burst
 
     def _reuse_kv(self, seq: Sequence) -> None:
         """Before `seq` prefills: wait to fork an identical prompt still being prefilled, or
@@ -415,12 +435,17 @@ class Scheduler:
         stepped: list[Sequence] = []
         budget = self.prefill_budget
         forked: list[Sequence] = []
+        first_tokens: list[tuple[int, Sequence]] = []  # (plan index, sequence)
         for seq in self.running:
             assert seq.slot is not None
             if seq.leader is not None:
                 continue  # planned with its leader's last chunk
             prompt_len = len(seq.prompt_ids)
             if seq.prefilled == prompt_len:  # decoding
+                if seq.burst is not None:
+                    if seq.burst:
+                        continue  # held until the rest of its burst has a first token
+                    seq.burst = None
                 output_ids = seq.output_ids
                 pos = prompt_len + len(output_ids) - 1
                 suppress = self._suppress(seq)
@@ -455,7 +480,10 @@ class Scheduler:
             seq.prefilled = end
             budget -= end - start
             stepped.append(seq)
+            if done and seq.burst:
+                seq.burst.discard(seq)
             if sample:
+                first_tokens.append((len(plan) - 1, seq))
                 sampling.append(seq)
                 for fork in seq.forks:  # each samples from this chunk's logits, then decodes
                     assert fork.slot is not None
@@ -471,12 +499,20 @@ class Scheduler:
                         )
                     )
                     fork.prefilled = fork.cached_tokens = prompt_len
+                    if fork.burst:
+                        fork.burst.discard(fork)
+                    first_tokens.append((len(plan) - 1, fork))
                     stepped.append(fork)
                     sampling.append(fork)
                     forked.append(fork)
                 seq.forks = []
         for fork in forked:  # (set only now: the loop above must skip them)
             fork.leader = None
+        for i, seq in first_tokens:
+            # A first token whose burst is still prefilling after this step is not decoded
+            # next step: the runner must not decode it ahead either.
+            if seq.burst:
+                plan[i] = dataclasses.replace(plan[i], decode_ahead=False)
         return plan, sampling, stepped
 
     def _plan_run(self, plan: list[SeqStep], sampling: list[Sequence]) -> DecodeRun | None:
@@ -672,6 +708,9 @@ class Scheduler:
         if seq.leader is not None:
             seq.leader.forks.remove(seq)
             seq.leader = None
+        if seq.burst:
+            seq.burst.discard(seq)
+        seq.burst = None
         if seq.slot is not None:
             self.runner.close_sequence(seq.slot)
             heapq.heappush(self._free_slots, seq.slot)

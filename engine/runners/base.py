@@ -89,6 +89,9 @@ class SeqStep:
     restore: KVRestore | None = None
     save: KVSave | None = None
     fork_from: int | None = None
+    #: The runner may decode this entry's sampled token ahead, for the next step (the
+    #: overlap): False when the scheduler will hold that decode back (a burst's prefill).
+    decode_ahead: bool = True
 
 
 def nothing_decoded() -> None:

@@ -555,7 +555,7 @@ class LlamaRunner:
             nxt = [
                 (plan[i].seq_id, t, plan[i].start_pos + len(plan[i].tokens))
                 for i, t in sampled.items()
-                if t not in eog
+                if t not in eog and plan[i].decode_ahead
             ]
         if touched:
             self._count_kv(touched)

@@ -133,34 +133,100 @@ async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
     assert big_items[-1][1].prompt_tokens == 2000
 
 
+async def burst_times(config: EngineConfig, n: int = 16, *, tokens: int = 8) -> list[list[float]]:
+    """Submit n 60-token prompts at once; when each of their tokens came, per request."""
+    times: list[list[float]] = [[] for _ in range(n)]
+    async with engine.open_engine(config) as eng:
+        start = trio.current_time()
+
+        async def drain(i: int, stream: engine.RequestStream) -> None:
+            async with stream:
+                async for item in stream:
+                    if isinstance(item, engine.Frame):
+                        times[i].append(trio.current_time() - start)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                stream = eng.submit(request(chr(65 + i) * 60, max_new_tokens=tokens))
+                nursery.start_soon(drain, i, stream)
+    return times
+
+
 @pytest.mark.parametrize("budget", [256, 1024])
 async def test_a_burst_of_prompts_starts_within_the_prefill_budget(
     autojump_clock: trio.abc.Clock, budget: int
 ) -> None:
     """Sixteen 60-token prompts arriving at once: with a 256-token budget they start four
-    at a time, a step apart; with 1,024 all sixteen get their first token from one step."""
+    at a time, a step apart, and those that start first wait for the rest to start before
+    decoding (a burst), so the last first token comes after four prefill steps and nothing
+    else; with 1,024 all sixteen get their first token from one step."""
     config = sim_config(max_running_requests=16, max_prefill_tokens=budget)
-    first_token: list[float] = []
-    async with engine.open_engine(config) as eng:
-        start = trio.current_time()
-
-        async def first(stream: engine.RequestStream) -> None:
-            async with stream:
-                async for _ in stream:
-                    first_token.append(trio.current_time() - start)
-                    break
-
-        async with trio.open_nursery() as nursery:
-            for i in range(16):
-                stream = eng.submit(request(chr(65 + i) * 60, max_new_tokens=8))
-                nursery.start_soon(first, stream)
+    times = await burst_times(config)
+    first_token = [t[0] for t in times]
     if budget == 1024:
         assert first_token == [pytest.approx(step_cost(prefill=960))] * 16
-    else:
-        waves = sorted(set(first_token))
-        assert len(waves) == 4 and first_token.count(waves[-1]) == 4
-        assert waves[0] == pytest.approx(step_cost(prefill=240))
-        assert waves[-1] > 4 * step_cost(prefill=240)
+        return
+    waves = sorted(set(first_token))
+    assert len(waves) == 4 and all(first_token.count(w) == 4 for w in waves)
+    assert waves == [pytest.approx(k * step_cost(prefill=240)) for k in (1, 2, 3, 4)]
+    # Then all sixteen decode together: every second token comes from one step.
+    assert all(t[1] == pytest.approx(waves[-1] + step_cost(decoding=16)) for t in times)
+
+
+async def test_without_the_burst_hold_early_starters_decode_beside_the_rest(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """`burst_prefill_tokens=0`: the first four decode beside the next prompts' prefill, so
+    they stream sooner and the last first token comes later (three steps carry decodes)."""
+    config = sim_config(max_running_requests=16, burst_prefill_tokens=0)
+    times = await burst_times(config)
+    first_token = sorted(t[0] for t in times)
+    prefill = step_cost(prefill=240)
+    assert first_token[0] == pytest.approx(prefill)
+    joint = [step_cost(decoding=d, prefill=240) for d in (4, 8, 12)]
+    assert first_token[-1] == pytest.approx(prefill + sum(joint))
+    assert first_token[-1] > 4 * prefill
+    early = [t for t in times if t[0] == pytest.approx(prefill)]
+    assert len(early) == 4
+    assert all(t[1] == pytest.approx(prefill + joint[0]) for t in early)
+
+
+async def test_a_burst_holds_its_decodes_only_up_to_its_token_limit(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Sixteen 60-token prompts hold 960 tokens: over a limit of 959 they are no burst and
+    decode as soon as each has a first token, as with the hold off."""
+    over = await burst_times(sim_config(max_running_requests=16, burst_prefill_tokens=959))
+    off = await burst_times(sim_config(max_running_requests=16, burst_prefill_tokens=0))
+    assert list(itertools.chain(*over)) == pytest.approx(list(itertools.chain(*off)))
+    at = await burst_times(sim_config(max_running_requests=16, burst_prefill_tokens=960))
+    assert max(t[0] for t in at) < max(t[0] for t in off)
+
+
+async def test_requests_running_before_a_burst_keep_decoding_beside_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The hold is a burst's own: a request admitted earlier gets a token in every step
+    while the burst prefills, and the burst's early starters still wait for the rest."""
+    config = sim_config(max_running_requests=16)
+    async with engine.open_engine(config) as eng:
+        decoded: list[tuple[float, engine.Output]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, eng.submit(request("x", max_new_tokens=30)), decoded)
+            while len(decoded) < 3:
+                await trio.sleep(0.001)
+            results: list[list[tuple[float, engine.Output]]] = [[] for _ in range(8)]
+            for i in range(8):
+                stream = eng.submit(request(chr(65 + i) * 60, max_new_tokens=3))
+                nursery.start_soon(collect, stream, results[i])
+    times = [t for t, _ in decoded]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # Two prefill steps of four prompts each ran beside the earlier request's decode.
+    assert max(gaps) == pytest.approx(step_cost(decoding=1, prefill=240))
+    assert sum(1 for g in gaps if g == pytest.approx(step_cost(decoding=1, prefill=240))) == 2
+    frames = [[t for t, item in r if isinstance(item, engine.Frame)] for r in results]
+    last_first = max(f[0] for f in frames)
+    assert all(f[1] > last_first for f in frames)
 
 
 def test_a_prefill_budget_smaller_than_a_chunk_is_refused() -> None:
