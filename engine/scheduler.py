@@ -6,7 +6,9 @@ Each step:
 2. admit: waiting requests take free slots, FIFO (each slot has a whole context of KV
    cells, and submit has checked the request fits one);
 3. plan: one decode token per decoding sequence, plus at most one prompt chunk of each
-   prefilling sequence, up to `max_prefill_tokens` in all;
+   prefilling sequence, up to `max_prefill_tokens` in all; a sequence admitted in a burst
+   (with others at one boundary, their prompts within `burst_prefill_tokens`) decodes only
+   once the whole burst has its first tokens;
 4. `await runner.step(plan)`;
 5. commit: append sampled tokens, detokenize, check stop conditions, send `Frame`/`Done`.
 
