@@ -55,9 +55,10 @@ class EngineConfig:
     #: Requests admitted together (a burst) are prefilled before any of them decodes, when
     #: their prompts hold at most this many tokens still to compute: those that get their
     #: first token early wait for the rest's first tokens instead of decoding beside their
-    #: prefill. As llama-server batches a burst's prompts (up to its `--batch-size`, 2,048),
-    #: so the burst's last first token comes without decodes before it; requests admitted
-    #: earlier decode as ever. 0: every request decodes from the step after its first token.
+    #: prefill, much as llama-server batches a burst's prompts (up to its `--batch-size`,
+    #: 2,048); the burst's own decodes then no longer delay its last first token. Requests
+    #: admitted earlier decode as ever. 0: every request decodes from the step after its
+    #: first token.
     burst_prefill_tokens: int = 2048
     #: Emit a Frame every this many tokens (per-request `stream_interval` overrides it).
     stream_interval: int = 1

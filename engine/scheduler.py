@@ -383,7 +383,12 @@ class Scheduler:
         remaining = sum(len(s.prompt_ids) - s.prefilled for s in admitted if s.leader is None)
         if remaining > self.burst_tokens:
             return
-        burst = {s for s in admitted if s.max_new_tokens > 0}
+        # A fork of a leader admitted earlier waits for that leader's prefill, which the
+        # limit did not count: it is no member, so nobody waits through it.
+        ours = set(admitted)
+        burst = {
+            s for s in admitted if s.max_new_tokens > 0 and (s.leader is None or s.leader in ours)
+        }
         if len(burst) > 1:
             for seq in burst:
                 seq.burst = burst

@@ -203,6 +203,30 @@ async def test_a_burst_holds_its_decodes_only_up_to_its_token_limit(
     assert max(t[0] for t in at) < max(t[0] for t in off)
 
 
+async def test_a_fork_of_an_earlier_long_prompt_holds_no_burst(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A sample that forks a 3,000-token prompt admitted a step earlier waits for that
+    prefill, which the burst's limit never counted: the short prompts admitted with it
+    decode as soon as they have their first token instead of waiting through it."""
+    config = sim_config(max_running_requests=4, max_prefill_tokens=1024)
+    long = "L" * 3000
+    async with engine.open_engine(config) as eng:
+        leader: list[tuple[float, engine.Output]] = []
+        short: list[list[tuple[float, engine.Output]]] = [[], []]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect, eng.submit(request(long, max_new_tokens=2)), leader)
+            await trio.sleep(0.001)  # the leader's first chunk is running
+            nursery.start_soon(collect, eng.submit(request(long, max_new_tokens=2)))
+            for i in range(2):
+                stream = eng.submit(request(chr(65 + i) * 60, max_new_tokens=3))
+                nursery.start_soon(collect, stream, short[i])
+    leader_first = leader[0][0]
+    for items in short:
+        frames = [t for t, item in items if isinstance(item, engine.Frame)]
+        assert frames[1] < leader_first  # decoding while the long prompt still prefilled
+
+
 async def test_requests_running_before_a_burst_keep_decoding_beside_it(
     autojump_clock: trio.abc.Clock,
 ) -> None:
