@@ -135,21 +135,14 @@ async def test_long_prompt_stalls_decodes_by_at_most_one_chunk(
 
 async def burst_times(config: EngineConfig, n: int = 16, *, tokens: int = 8) -> list[list[float]]:
     """Submit n 60-token prompts at once; when each of their tokens came, per request."""
-    times: list[list[float]] = [[] for _ in range(n)]
+    items: list[list[tuple[float, engine.Output]]] = [[] for _ in range(n)]
     async with engine.open_engine(config) as eng:
         start = trio.current_time()
-
-        async def drain(i: int, stream: engine.RequestStream) -> None:
-            async with stream:
-                async for item in stream:
-                    if isinstance(item, engine.Frame):
-                        times[i].append(trio.current_time() - start)
-
         async with trio.open_nursery() as nursery:
             for i in range(n):
                 stream = eng.submit(request(chr(65 + i) * 60, max_new_tokens=tokens))
-                nursery.start_soon(drain, i, stream)
-    return times
+                nursery.start_soon(collect, stream, items[i])
+    return [[t - start for t, item in got if isinstance(item, engine.Frame)] for got in items]
 
 
 @pytest.mark.parametrize("budget", [256, 1024])
