@@ -1,4 +1,4 @@
-"""Two ASGI middlewares that every Tributary app runs under (`create_app` installs them).
+"""The ASGI middlewares that every Tributary app runs under (`create_app` installs them).
 
 `ShieldFinalSend`: hypercorn does its keep-alive bookkeeping inside the send of the final
 body message, and Quart-Trio cancels the request on the disconnect event that same send
@@ -13,19 +13,37 @@ and Quart entering the body: a client that disconnects there still has its reque
 `close()` must be synchronous and idempotent. A resource that can only be closed with an
 `await` (a worker's HTTP response a front relays) has `aclose()` instead: awaited shielded,
 after the synchronous ones, so it must be idempotent and bounded in time.
+
+`RefuseWebSockets`: Tributary serves no WebSocket route, but Hypercorn hands any valid
+upgrade request (on any path, before any API key check) to the app as a `websocket` scope,
+which Quart answered with a 500 and a logged traceback. It is refused before the app sees
+it, with the ASGI close-before-accept that Hypercorn turns into a 403 (as Starlette, so
+SGLang and vLLM, answer), and nothing is logged.
+
+`RefuseAmbiguousLength`: a request carrying both `Content-Length` and `Transfer-Encoding`
+is framed differently by different HTTP parsers (h11 follows Transfer-Encoding; a proxy in
+front may follow Content-Length), the basis of request smuggling. RFC 9112 section 6.3
+lets a server reject it and requires it to close the connection after responding: it gets
+a 400 with `Connection: close` (h11 then refuses to start another exchange on the
+connection and Hypercorn closes it), and the bytes after its body are never read as a
+request.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
 import trio
 
 __all__ = [
+    "AMBIGUOUS_LENGTH",
     "AsyncCloseable",
     "CloseOwned",
     "Closeable",
     "Owned",
+    "RefuseAmbiguousLength",
+    "RefuseWebSockets",
     "ShieldFinalSend",
     "owned_by_request",
 ]
@@ -95,3 +113,55 @@ class CloseOwned:
                 with trio.CancelScope(shield=True):
                     for resource in closing:
                         await resource.aclose()
+
+
+class RefuseWebSockets:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            await self.app(scope, receive, send)
+            return
+        await receive()  # websocket.connect
+        # Closed before it was accepted: the server answers the upgrade request with a 403.
+        await send({"type": "websocket.close", "code": 1008})
+
+
+#: The 400's message for a request with both framing headers.
+AMBIGUOUS_LENGTH = (
+    "A request must not carry both Content-Length and Transfer-Encoding (RFC 9112 section 6.3)."
+)
+
+
+class RefuseAmbiguousLength:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not _both_framing_headers(scope["headers"]):
+            await self.app(scope, receive, send)
+            return
+        body: dict[str, Any]
+        if scope["path"].startswith("/v1/"):  # OpenAI's error shape there, SGLang's elsewhere
+            error = {"message": AMBIGUOUS_LENGTH, "type": "invalid_request_error"}
+            body = {"error": {**error, "param": None, "code": None}}
+        else:
+            body = {"error": {"message": AMBIGUOUS_LENGTH, "code": 400}}
+        data = json.dumps(body).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 400, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+def _both_framing_headers(headers: list[tuple[bytes, bytes]]) -> bool:
+    length = encoding = False
+    for name, _ in headers:
+        lowered = name.lower()
+        length = length or lowered == b"content-length"
+        encoding = encoding or lowered == b"transfer-encoding"
+    return length and encoding

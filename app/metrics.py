@@ -12,6 +12,10 @@ Names, labels and bucket bounds are SGLang's (`python/sglang/srt/metrics/collect
 dashboards built for SGLang read them; finer buckets below 0.1 s are added for CPU latencies.
 Every series carries `model_name`.
 
+Series are bounded: no label takes a client's text. `endpoint` is a route's rule or
+"unmatched", `method` one of `KNOWN_METHODS` or "other", `status_code` a status the app sent;
+`model_name` is the server's, `worker` a worker's number in the fleet (never its URL).
+
 Cost: the hot path touches plain ints and lists (no prometheus-client objects, so no lock
 per increment; the app runs on one Trio thread). prometheus-client is used at scrape time
 only: this object is the registry's one collector and builds the metric families from those
@@ -40,7 +44,7 @@ from tributary.engine import EngineStats
 if TYPE_CHECKING:
     from .timing import RequestTiming
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "KNOWN_METHODS", "Metrics", "method_label", "status_label"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -57,6 +61,27 @@ ITL_BUCKETS += [0.040, 0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1, 2, 4,
 QUEUE_BUCKETS = [0.0, *_FINE, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60]
 QUEUE_BUCKETS += [70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1200]
 QUEUE_BUCKETS += [1400, 1600, 1800, 2000, 2500, 3000]
+
+
+#: HTTP methods counted under their own name (RFC 9110's, and PATCH). A client chooses the
+#: method, and h11 accepts any token up to the header size limit as one: each new name
+#: would be a new series of every HTTP counter, kept for the life of the process (4,000
+#: refused requests with made-up methods grew /metrics to 65 MB). Any other is "other".
+KNOWN_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "CONNECT", "TRACE"}
+)
+OTHER = "other"
+
+
+def method_label(method: str) -> str:
+    """The `method` label of an exchange: its method if in `KNOWN_METHODS`, else "other"."""
+    return method if method in KNOWN_METHODS else OTHER
+
+
+def status_label(status: int) -> str:
+    """The `status_code` label: the status the app sent (100-599; the server's own 499 for
+    a client that left first), anything else "other"."""
+    return str(status) if 100 <= status <= 599 else OTHER
 
 
 class StatsSource(Protocol):
@@ -129,9 +154,12 @@ class Metrics:
         self.inter_token_latency.observe(interval / tokens, tokens)
 
     def count_http(self, endpoint: str, method: str, status: int) -> None:
+        """One HTTP exchange. `endpoint` must be a route's rule or "unmatched" (never the
+        path); `method` and `status` are bounded here (`method_label`, `status_label`)."""
+        method = method_label(method)
         key = (endpoint, method)
         self.http_requests[key] = self.http_requests.get(key, 0) + 1
-        rkey = (endpoint, method, str(status))
+        rkey = (endpoint, method, status_label(status))
         self.http_responses[rkey] = self.http_responses.get(rkey, 0) + 1
 
     # -- scrape time ----------------------------------------------------------------------
@@ -175,7 +203,20 @@ class Metrics:
         yield from self._worker_families()
 
     def _worker_families(self) -> Iterator[Metric]:
-        """Per remote worker, labelled by URL (a front serving a fleet; nothing otherwise)."""
+        """Per remote worker, labelled by its number in the fleet, "1", "2", ... (a front
+        serving a fleet; nothing otherwise): the number client errors name. Never its URL:
+        /metrics needs no more than the API key, and worker URLs are internal addresses
+        (`/list_workers`, behind the admin key, maps numbers to URLs)."""
+        failures = getattr(self.engine, "upstream_failures", None)
+        if failures is not None:  # a front: its fixed reasons (engine/remote/wire.py)
+            counter = CounterMetricFamily(
+                "tributary:front_upstream_failures",
+                "Requests ended by a worker's failure after it had them, never retried.",
+                labels=["reason"],
+            )
+            for reason, value in failures.items():
+                counter.add_metric([reason], value)
+            yield counter
         source = getattr(self.engine, "worker_stats", None)
         workers = source() if source is not None else []
         if not workers:
@@ -188,7 +229,7 @@ class Metrics:
         ):
             counter = CounterMetricFamily(f"tributary:{name}", doc, labels=["worker"])
             for w in workers:
-                counter.add_metric([w.url], getattr(w, field))
+                counter.add_metric([_worker_label(w)], getattr(w, field))
             yield counter
         in_flight = GaugeMetricFamily(
             "tributary:worker_in_flight", "Requests in flight on the worker.", labels=["worker"]
@@ -202,10 +243,11 @@ class Metrics:
             labels=["worker", "state"],
         )
         for w in workers:
-            in_flight.add_metric([w.url], w.in_flight)
-            healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
+            label = _worker_label(w)
+            in_flight.add_metric([label], w.in_flight)
+            healthy.add_metric([label], 1.0 if w.healthy else 0.0)
             for state in ("closed", "open", "half_open"):
-                breaker.add_metric([w.url, state], 1.0 if w.breaker == state else 0.0)
+                breaker.add_metric([label, state], 1.0 if w.breaker == state else 0.0)
         yield in_flight
         yield healthy
         yield breaker
@@ -255,3 +297,8 @@ class Metrics:
             gauge = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
+
+
+def _worker_label(worker: object) -> str:
+    """A worker's `worker` label: its number in the fleet (`RemoteWorkerStats.id`)."""
+    return str(getattr(worker, "id", "") or "unknown")

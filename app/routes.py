@@ -18,7 +18,6 @@ JSON it can parse.
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from quart import Response, request
@@ -27,8 +26,14 @@ from werkzeug.exceptions import HTTPException
 
 from tributary.engine import EngineClosed, EngineError, EngineService
 
-from .admin import ADMIN_PATHS, admin_blueprint, version
-from .asgi import CloseOwned, ShieldFinalSend, owned_by_request
+from .admin import ADMIN_PATHS, _bearer_is, admin_blueprint, version
+from .asgi import (
+    CloseOwned,
+    RefuseAmbiguousLength,
+    RefuseWebSockets,
+    ShieldFinalSend,
+    owned_by_request,
+)
 from .direct_send import DirectSend
 from .errors import engine_error_response, error_response
 from .exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
@@ -62,12 +67,15 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
         state.metrics = Metrics(engine, model_name=model_name)
     state.attach(app)
     # Outermost, DirectSend makes Hypercorn's socket writes skip its lock and send_all when
-    # the socket takes them at once (app/direct_send.py).
+    # the socket takes them at once (app/direct_send.py). WebSocket upgrades and requests
+    # with both Content-Length and Transfer-Encoding are refused before Quart (asgi.py).
     app.asgi_app = DirectSend(  # type: ignore[method-assign, assignment]
-        ObserveExchanges(
-            ShieldFinalSend(CloseOwned(app.asgi_app)),
-            state.metrics,
-            log_requests=settings.log_requests,
+        RefuseWebSockets(
+            ObserveExchanges(
+                RefuseAmbiguousLength(ShieldFinalSend(CloseOwned(app.asgi_app))),
+                state.metrics,
+                log_requests=settings.log_requests,
+            )
         )
     )
     app.register_blueprint(admin_blueprint(engine, state))
@@ -142,10 +150,5 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
 
 def _bearer_matches(keys: list[bytes | None]) -> bool:
     """The request's `Authorization: Bearer` key is one of `keys` (compared in constant
-    time)."""
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    # The scheme name is case-insensitive (RFC 7235); the key itself is not.
-    if scheme.lower() != "bearer":
-        return False
-    token = given.strip().encode()
-    return any(key is not None and hmac.compare_digest(token, key) for key in keys)
+    time; the scheme name case-insensitively, RFC 7235, the key itself not: `_bearer_is`)."""
+    return any(key is not None and _bearer_is(key.decode()) for key in keys)
