@@ -16,11 +16,14 @@ Rules (docs/api.md, contract section 1):
 - `n > 1` turns each prompt into n samples (a single prompt becomes a batch) and gives every
   sample a fresh uuid rid;
 - `rid`: a str is used as-is for a single request and fans out as `rid_i` for a batch; a list
-  must have one str per prompt; duplicates inside one request are rejected;
+  must have one str per prompt; duplicates inside one request are rejected; each at most
+  MAX_RID_LENGTH characters (it is echoed in every frame and access log line);
 - logprobs: `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `token_ids_logprob`
   (each a value for every prompt, or for a batch a list with one per prompt; null means the
   default) and `return_text_in_logprobs`; without `return_logprob` the others are ignored, as
-  in SGLang;
+  in SGLang; `top_logprobs_num` is at most the server's `max_logprobs` and
+  `token_ids_logprob` holds at most MAX_TOKEN_IDS_LOGPROB ids, none twice (each position's
+  entries are what a response and the engine's memory grow by);
 - `custom_logit_processor`: a serialized processor, or for a batch a list (null entries for
   prompts without one);
 - unknown top-level keys are ignored; features this server does not implement yet
@@ -48,7 +51,24 @@ from tributary.engine import BadRequest, GenerateRequest, LogprobRequest, Sampli
 from .limits import TIMEOUT_HEADER, Deadline, RequestTooLarge
 from .settings import ServerSettings
 
-__all__ = ["NormalizedGenerate", "bool_field", "normalize_generate", "read_json_body"]
+__all__ = [
+    "MAX_RID_LENGTH",
+    "MAX_TOKEN_IDS_LOGPROB",
+    "NormalizedGenerate",
+    "bool_field",
+    "check_rid",
+    "normalize_generate",
+    "read_json_body",
+]
+
+#: The longest client rid, in characters. A rid is echoed in every stream frame, every
+#: batch item (a str rid is every item's prefix) and every access log line, so an unbounded
+#: one multiplies a request's size. SGLang and vLLM have no bound; 256 holds any uuid,
+#: trace id or composite key.
+MAX_RID_LENGTH = 256
+#: The most ids in `token_ids_logprob` (SGLang has no bound): each generated position gets
+#: one entry per id.
+MAX_TOKEN_IDS_LOGPROB = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +161,11 @@ def seeded_sample(sampling: SamplingParams, index: int) -> SamplingParams:
 
 
 def normalize_generate(
-    body: Any, *, vocab_size: int, max_items: int | None = None
+    body: Any,
+    *,
+    vocab_size: int,
+    max_items: int | None = None,
+    max_logprobs: int = ServerSettings.max_logprobs,
 ) -> NormalizedGenerate:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
@@ -170,7 +194,7 @@ def normalize_generate(
         is_batch = True
     check_fan_out(size * n, max_items)
     rids = _rids(body.get("rid"), size, n, is_batch)
-    logprobs = _logprob_requests(body, size, n, is_batch, vocab_size)
+    logprobs = _logprob_requests(body, size, n, is_batch, vocab_size, max_logprobs)
     processors = _per_prompt(body, "custom_logit_processor", size, n, is_batch, _optional_str, None)
     text_in_logprobs = bool_field(body, "return_text_in_logprobs")
 
@@ -257,7 +281,17 @@ def _token_ids(key: str, value: Any, vocab_size: int) -> tuple[int, ...] | None:
 
     if not isinstance(value, list):
         raise BadRequest("token_ids_logprob must be a flat list of integers.")
+    if len(value) > MAX_TOKEN_IDS_LOGPROB:
+        raise BadRequest(
+            f"token_ids_logprob holds {len(value)} ids, more than the "
+            f"{MAX_TOKEN_IDS_LOGPROB} allowed."
+        )
     ids = tuple(as_id(x) for x in value)
+    if len(set(ids)) != len(ids):
+        # Refused, not deduplicated: each entry answers the id at the same place in the
+        # request (SGLang's order), so dropping one would shift every later answer.
+        dup = next(t for t, count in collections.Counter(ids).items() if count > 1)
+        raise BadRequest(f"token_ids_logprob lists token id {dup} more than once.")
     for token in ids:
         if not 0 <= token < vocab_size:
             raise BadRequest(
@@ -268,7 +302,7 @@ def _token_ids(key: str, value: Any, vocab_size: int) -> tuple[int, ...] | None:
 
 
 def _logprob_requests(
-    body: dict[str, Any], size: int, n: int, is_batch: bool, vocab_size: int
+    body: dict[str, Any], size: int, n: int, is_batch: bool, vocab_size: int, max_logprobs: int
 ) -> list[LogprobRequest | None]:
     """Each prompt's LogprobRequest, or None where `return_logprob` is off."""
     wanted = _per_prompt(body, "return_logprob", size, n, is_batch, _bool_value, False)
@@ -286,6 +320,12 @@ def _logprob_requests(
         None,
         is_list_form=lambda v: isinstance(v, list) and bool(v) and isinstance(v[0], list | None),
     )
+    for p in range(size):
+        if wanted[p] and tops[p] > max_logprobs:
+            raise BadRequest(
+                f"top_logprobs_num is {tops[p]}, more than the {max_logprobs} this server "
+                "allows (--max-logprobs)."
+            )
     return [
         LogprobRequest(start_len=starts[p], top_n=tops[p], token_ids=ids[p]) if wanted[p] else None
         for p in range(size)
@@ -357,12 +397,22 @@ def _sampling(raw: Any, size: int, is_batch: bool, vocab_size: int) -> list[Samp
     return out
 
 
+def check_rid(rid: str | None, *, field: str = "rid") -> None:
+    """A client rid longer than MAX_RID_LENGTH characters is a 400 (the length, not the rid,
+    goes in the message)."""
+    if rid is not None and len(rid) > MAX_RID_LENGTH:
+        raise BadRequest(
+            f"{field} is {len(rid)} characters long, more than the {MAX_RID_LENGTH} allowed."
+        )
+
+
 def _rids(rid: Any, size: int, n: int, is_batch: bool) -> list[str | None]:
     """One rid (or None: the engine makes one) per expanded item."""
     num = size * n
     if not is_batch:
         if rid is not None and not isinstance(rid, str):
             raise BadRequest("The rid should be a string or a list of strings.")
+        check_rid(rid)
         return [rid]
     if isinstance(rid, list):
         if len(rid) != size:
@@ -371,8 +421,12 @@ def _rids(rid: Any, size: int, n: int, is_batch: bool) -> list[str | None]:
             )
         if not all(isinstance(r, str) for r in rid):
             raise BadRequest("The rid should be a string or a list of strings.")
+        for r in rid:
+            check_rid(r)
     elif rid is not None and not isinstance(rid, str):
         raise BadRequest("The rid should be a string or a list of strings.")
+    else:
+        check_rid(rid)
     if n > 1:
         # SGLang regenerates every sample's rid, so client rids are not echoed with n > 1.
         return [uuid.uuid4().hex for _ in range(num)]

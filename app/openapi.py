@@ -19,6 +19,15 @@ from typing import Any
 
 from quart import Blueprint, Response
 
+from tributary.engine.sampling import (
+    MAX_STOP_CHARS,
+    MAX_STOP_COUNT,
+    MAX_STOP_REGEX_BYTES,
+    MAX_STOP_REGEX_COUNT,
+    MAX_STOP_TOKEN_IDS,
+)
+
+from .normalize import MAX_RID_LENGTH, MAX_TOKEN_IDS_LOGPROB
 from .output import json_response
 
 __all__ = ["openapi_blueprint", "openapi_document"]
@@ -46,6 +55,25 @@ _IDS: Schema = {"type": "array", "items": _COUNT}
 _PROMPT_IDS: Schema = {"type": "array", "items": _COUNT, "minItems": 1}
 _STRS: Schema = {"type": "array", "items": _STR}
 _STR_OR_STRS: Schema = {"anyOf": [_STR, _STRS]}
+#: The per-request bounds (docs/api.md; engine/sampling.py, app/normalize.py).
+_STOPS: Schema = {
+    "anyOf": [
+        {"type": "string", "maxLength": MAX_STOP_CHARS},
+        {
+            "type": "array",
+            "items": {"type": "string", "maxLength": MAX_STOP_CHARS},
+            "maxItems": MAX_STOP_COUNT,
+        },
+    ]
+}
+_STOP_REGEXES: Schema = {
+    "anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": MAX_STOP_REGEX_COUNT}],
+    "description": f"At most {MAX_STOP_REGEX_COUNT} patterns, each at most "
+    f"{MAX_STOP_REGEX_BYTES} bytes of UTF-8.",
+}
+_STOP_IDS: Schema = {**_IDS, "maxItems": MAX_STOP_TOKEN_IDS}
+_RID: Schema = {"type": "string", "maxLength": MAX_RID_LENGTH}
+_LOGPROB_IDS: Schema = {**_IDS, "maxItems": MAX_TOKEN_IDS_LOGPROB, "uniqueItems": True}
 
 
 def _json(schema: Schema) -> dict[str, Any]:
@@ -64,6 +92,7 @@ def _errors(error: str, *statuses: int) -> dict[str, Any]:
     reasons = {
         400: "A malformed body, a field of the wrong type or value, or a limit exceeded.",
         401: "An API key (or, for admin routes, the admin key) is configured and not sent.",
+        403: "A front's worker routes when it was started without --admin-api-key (off).",
         404: "No such model (or, for /remove_worker, no such worker).",
         408: "The request's deadline (--request-timeout, X-Request-Timeout) passed.",
         413: "The body is larger than --max-request-bytes.",
@@ -90,9 +119,9 @@ _SAMPLING_PARAMS: Schema = {
         "frequency_penalty": _PENALTY,
         "presence_penalty": _PENALTY,
         "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
-        "stop": _nullable(_STR_OR_STRS),
-        "stop_token_ids": _nullable(_IDS),
-        "stop_regex": _nullable(_STR_OR_STRS),
+        "stop": _nullable(_STOPS),
+        "stop_token_ids": _nullable(_STOP_IDS),
+        "stop_regex": _nullable(_STOP_REGEXES),
         "ignore_eos": _BOOL,
         "skip_special_tokens": _BOOL,
         "spaces_between_special_tokens": _BOOL,
@@ -125,11 +154,16 @@ _GENERATE_REQUEST: Schema = {
         "input_ids": {"anyOf": [_PROMPT_IDS, {"type": "array", "items": _PROMPT_IDS}]},
         "sampling_params": {"anyOf": [_ref("SamplingParams"), {"type": "array", "items": {}}]},
         "stream": _nullable(_BOOL),
-        "rid": _nullable(_STR_OR_STRS),
+        "rid": _nullable({"anyOf": [_RID, {"type": "array", "items": _RID}]}),
         "return_logprob": _per_prompt(_BOOL),
         "logprob_start_len": _per_prompt(_INT),
-        "top_logprobs_num": _per_prompt(_INT),
-        "token_ids_logprob": {"anyOf": [_IDS, {"type": "array", "items": _IDS}, {"type": "null"}]},
+        "top_logprobs_num": {
+            **_per_prompt(_INT),
+            "description": "At most the server's --max-logprobs (20 by default).",
+        },
+        "token_ids_logprob": {
+            "anyOf": [_LOGPROB_IDS, {"type": "array", "items": _LOGPROB_IDS}, {"type": "null"}]
+        },
         "return_text_in_logprobs": _nullable(_BOOL),
         "custom_logit_processor": _per_prompt(_STR),
     },
@@ -218,9 +252,9 @@ _OPENAI_COMMON: dict[str, Schema] = {
             "repetition_penalty",
         )
     },
-    "stop": _nullable(_STR_OR_STRS),
-    "stop_token_ids": _nullable(_IDS),
-    "stop_regex": _nullable(_STR_OR_STRS),
+    "stop": _nullable(_STOPS),
+    "stop_token_ids": _nullable(_STOP_IDS),
+    "stop_regex": _nullable(_STOP_REGEXES),
     "logit_bias": _nullable({"type": "object", "additionalProperties": _NUM}),
     "seed": _nullable(_INT),
     "min_tokens": _nullable(_COUNT),
@@ -235,7 +269,7 @@ _OPENAI_COMMON: dict[str, Schema] = {
     "stream": _nullable(_BOOL),
     "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
     "user": _nullable(_STR),
-    "rid": _nullable(_STR),
+    "rid": _nullable(_RID),
     "custom_params": _nullable({"type": "object"}),
     "custom_logit_processor": _nullable(_STR),
 }
@@ -369,6 +403,12 @@ _WORKER: Schema = {
     "type": "object",
     "required": ["url", "kind", "breaker", "healthy", "in_flight"],
     "properties": {
+        "id": {
+            "type": "integer",
+            "minimum": 1,
+            "description": "The worker's number in the fleet: what client errors and the "
+            "`worker` label of /metrics name (a front's workers only).",
+        },
         "url": _STR,
         "kind": _STR,
         "breaker": {"type": "string", "enum": ["closed", "open", "half_open"]},
@@ -393,7 +433,7 @@ def _worker_op(summary: str, *errors: int) -> dict[str, Any]:
         "requestBody": {"required": False, "content": _json(_ref("WorkerRequest"))},
         "responses": {
             "200": _answer("The worker's state.", _WORKER),
-            **_errors("Error", 400, 401, *errors),
+            **_errors("Error", 400, 401, 403, *errors),
         },
     }
 
@@ -508,7 +548,8 @@ def _paths() -> dict[str, Any]:
                             "type": "object",
                             "properties": {"workers": {"type": "array", "items": _WORKER}},
                         },
-                    )
+                    ),
+                    **_errors("Error", 401, 403),
                 },
             }
         },

@@ -19,6 +19,13 @@ Logprob families (with `return_logprob`), SGLang's: `input_token_logprobs`,
 text]`, text null unless `return_text_in_logprobs`; a position with nothing scored is null;
 a logprob of -inf (a token a grammar or processor forbade) is null, as SGLang's orjson
 writes it.
+
+A unary answer and a stream's terminal frame carry every position. Other stream frames
+carry no position twice, so a stream's logprobs cost O(positions) bytes, not O(positions^2)
+(SGLang's cumulative stream resends every position in every frame): the output families
+hold the positions no earlier frame carried, and the input families come in the first frame
+only (empty lists after it) and again in the terminal frame. `output_token_logprobs_length`
+is always the count so far.
 """
 
 from __future__ import annotations
@@ -156,19 +163,30 @@ class _LogprobLists:
         self.output_ids += delta["ids"]
         return delta
 
-    def meta(self, output: dict[str, list[Any]] | None = None) -> dict[str, Any]:
-        """The meta_info keys, with all output positions so far, or `output`'s."""
+    def since(self, start: int) -> dict[str, list[Any]]:
+        """The output lists from position `start` on."""
+        return {
+            "token": self.output_token[start:],
+            "top": self.output_top[start:],
+            "ids": self.output_ids[start:],
+        }
+
+    def meta(
+        self, output: dict[str, list[Any]] | None = None, *, inputs: bool = True
+    ) -> dict[str, Any]:
+        """The meta_info keys, with all output positions so far, or `output`'s; the input
+        families empty unless `inputs`."""
         token = self.output_token if output is None else output["token"]
         meta: dict[str, Any] = {
-            "input_token_logprobs": self.input_token,
+            "input_token_logprobs": self.input_token if inputs else [],
             "output_token_logprobs": token,
             "output_token_logprobs_length": len(self.output_token),
         }
         if self.fmt.top:
-            meta["input_top_logprobs"] = self.input_top
+            meta["input_top_logprobs"] = self.input_top if inputs else []
             meta["output_top_logprobs"] = self.output_top if output is None else output["top"]
         if self.fmt.ids:
-            meta["input_token_ids_logprobs"] = self.input_ids
+            meta["input_token_ids_logprobs"] = self.input_ids if inputs else []
             meta["output_token_ids_logprobs"] = self.output_ids if output is None else output["ids"]
         return meta
 
@@ -193,6 +211,10 @@ class OutputAccumulator:
         self.cached_tokens = 0
         self._logprobs = _LogprobLists(logprobs) if logprobs is not None else None
         self._last_delta: dict[str, list[Any]] | None = None
+        # Stream frames: output positions some frame carried already, and whether one
+        # carried the input families.
+        self._framed = 0
+        self._inputs_framed = False
 
     def add(self, item: Frame | Done) -> None:
         self.text += item.text
@@ -211,11 +233,27 @@ class OutputAccumulator:
         e2e_latency: float | None = None,
         index: int | None = None,
         timing: dict[str, Any] | None = None,
+        frame: bool = False,
     ) -> dict[str, Any]:
-        logprobs = self._logprobs.meta() if self._logprobs is not None else None
+        """All text and ids so far. The logprobs: every position, or, for a non-terminal
+        stream `frame`, only what no earlier frame carried (module docstring)."""
+        logprobs = None
+        lists = self._logprobs
+        if lists is not None:
+            if frame:
+                logprobs = lists.meta(lists.since(self._framed), inputs=self._take_inputs())
+                self._framed = len(lists.output_token)
+            else:
+                logprobs = lists.meta()
         return self._object(
             self.text, list(self.output_ids), finish_reason, e2e_latency, index, logprobs, timing
         )
+
+    def _take_inputs(self) -> bool:
+        """The input families go in this frame: no earlier frame carried them."""
+        first = not self._inputs_framed
+        self._inputs_framed = True
+        return first
 
     def delta(
         self,
@@ -227,8 +265,12 @@ class OutputAccumulator:
         timing: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The incremental shape: this item's text, ids and output logprobs (the last item
-        added), cumulative counts."""
-        logprobs = self._logprobs.meta(self._last_delta) if self._logprobs is not None else None
+        added), cumulative counts; the input families in the first and the terminal frame
+        (`finish_reason` set)."""
+        logprobs = None
+        if self._logprobs is not None:
+            inputs = self._take_inputs() or finish_reason is not None
+            logprobs = self._logprobs.meta(self._last_delta, inputs=inputs)
         return self._object(
             item.text, list(item.output_ids), finish_reason, e2e_latency, index, logprobs, timing
         )

@@ -48,6 +48,10 @@ class ServerSettings:
     #: a 413, refused before it is read (Content-Length) or as soon as it passes the limit
     #: (chunked).
     max_request_bytes: int = 4 * 1024 * 1024
+    #: The most alternatives per position a request may ask for (`--max-logprobs`, vLLM's
+    #: flag and default): `/generate`'s `top_logprobs_num`, `/v1`'s `logprobs` and
+    #: `top_logprobs` (those also within OpenAI's 20). More is a 400.
+    max_logprobs: int = 20
     #: Logged by `tributary serve`; the library never configures logging itself.
     log_level: str = "info"
     #: `tributary serve`'s log lines: "text", or "json" (one JSON object per line).
@@ -67,6 +71,8 @@ class ServerSettings:
             raise ValueError(f"request_timeout must be a positive number of seconds, got {timeout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be at least 1, got {self.max_request_bytes}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
 
     @property
     def bind(self) -> str:

@@ -3,7 +3,9 @@
 Each event is `data: <json>\\n\\n`; the stream ends with one `data: [DONE]\\n\\n`.
 
 - Cumulative mode (default): a frame carries all text and ids so far. Items that queued up
-  while the client was reading are coalesced into one frame per request item.
+  while the client was reading are coalesced into one frame per request item. Logprobs are
+  not resent: a non-terminal frame carries the output positions no earlier frame carried,
+  the terminal frame all of them (app/output.py).
 - Incremental mode: every delta is its own frame; counts stay cumulative.
 - The terminal frame of each item (finish_reason set) alone carries `e2e_latency` (and, with
   `timing_detail`, the request's phases: `RequestTiming.detail`).
@@ -188,7 +190,7 @@ class EventStreamBody(MultiplexedBody):
             unsent.pop(index, None)
             if isinstance(item, Error):
                 if was_unsent:
-                    out.append(sse_event(acc.cumulative(index=tag)))
+                    out.append(sse_event(acc.cumulative(index=tag, frame=True)))
                 err = item.error
                 out.append(sse_event(error_object(err.message, err.http_status, index=tag)))
                 continue
@@ -206,7 +208,7 @@ class EventStreamBody(MultiplexedBody):
                     pending = (
                         acc.delta(item, index=tag)
                         if self._incremental
-                        else acc.cumulative(index=tag)
+                        else acc.cumulative(index=tag, frame=True)
                     )
                     out.append(sse_event(pending))
                 out.append(sse_event(error_object(aborted[1], aborted[0], index=tag)))
@@ -224,7 +226,7 @@ class EventStreamBody(MultiplexedBody):
             )
             out.append(sse_event(final))
         for index in unsent:
-            out.append(sse_event(self._accs[index].cumulative(index=self._tag(index))))
+            out.append(sse_event(self._accs[index].cumulative(index=self._tag(index), frame=True)))
         return b"".join(out)
 
     def _tag(self, index: int) -> int | None:

@@ -22,16 +22,34 @@ from typing import Any, NoReturn
 import regex as regex_pkg  # type: ignore[import-untyped]
 
 from .errors import InvalidSamplingParams
+from .grammar_bounds import stop_regex_problem
 
-__all__ = ["GREEDY_TEMPERATURE", "TOP_K_ALL", "SamplingParams"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_COUNT",
+    "MAX_STOP_REGEX_BYTES",
+    "MAX_STOP_REGEX_COUNT",
+    "MAX_STOP_TOKEN_IDS",
+    "TOP_K_ALL",
+    "SamplingParams",
+]
 
 #: SGLang's "all tokens" top_k; -1 in a request maps to it.
 TOP_K_ALL = 1 << 30
 #: Below this temperature SGLang samples greedily (rewritten to temperature 1.0, top_k 1).
 GREEDY_TEMPERATURE = 1e-6
-# SGLang's bounds on stop_regex: each pattern is searched after every token.
+# Bounds on the stop lists, which are checked after every token on the event loop (SGLang,
+# vLLM and llama-server have none; OpenAI takes at most 4 stop strings). Each pattern of
+# stop_regex is searched after every token.
 MAX_STOP_REGEX_COUNT = 32
 MAX_STOP_REGEX_BYTES = 256
+#: The most `stop` strings, and each one's length in characters: a token's stop check costs
+#: about count x (length + the token's characters) comparisons (engine/detokenize.py).
+MAX_STOP_COUNT = 64
+MAX_STOP_CHARS = 256
+#: The most entries in `stop_token_ids` (as sent, before duplicates are dropped).
+MAX_STOP_TOKEN_IDS = 1024
 
 # Keys SGLang knows but this engine cannot honour yet: a request setting one gets a clear 400
 # instead of being silently served without it.
@@ -78,6 +96,9 @@ class SamplingParams:
         naming the first pattern that does not compile."""
         patterns = []
         for pattern in self.stop_regex:
+            # Bounds first: `a{1000000000}` makes the compiler allocate until the process dies.
+            if problem := stop_regex_problem(pattern):
+                _fail(f"invalid stop_regex '{pattern}': {problem}")
             try:
                 patterns.append(regex_pkg.compile(pattern))
             except regex_pkg.error as exc:
@@ -154,6 +175,19 @@ class SamplingParams:
             _fail(f"n must be at least 1, got {self.n}.")
         if self.stream_interval is not None and self.stream_interval < 1:
             _fail(f"stream_interval must be at least 1, got {self.stream_interval}.")
+        if len(self.stop) > MAX_STOP_COUNT:
+            _fail(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(self.stop)}")
+        for stop in self.stop:
+            if len(stop) > MAX_STOP_CHARS:
+                _fail(
+                    f"a stop string is {len(stop)} characters long, over the "
+                    f"{MAX_STOP_CHARS}-character limit"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, "
+                f"got {len(self.stop_token_ids)}"
+            )
         if len(self.stop_regex) > MAX_STOP_REGEX_COUNT:
             _fail(
                 f"at most {MAX_STOP_REGEX_COUNT} stop_regex patterns are allowed, "
@@ -226,6 +260,8 @@ def _coerce(key: str, value: Any) -> Any:
         return value
     if key == "stop":
         stops = [value] if isinstance(value, str) else value
+        if isinstance(stops, list) and len(stops) > MAX_STOP_COUNT:
+            _fail(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stops)}")
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             _fail(f"stop must be a string or a list of strings, got {value!r}.")
         return tuple(s for s in stops if s)
@@ -236,6 +272,9 @@ def _coerce(key: str, value: Any) -> Any:
         return tuple(s for s in patterns if s)
     if key == "stop_token_ids":
         ids = value if isinstance(value, list) else None
+        if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
+            # Checked before the set is built: the list as sent is what costs.
+            _fail(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(ids)}")
         if ids is None or not all(
             x is None or (isinstance(x, int) and not isinstance(x, bool)) for x in ids
         ):

@@ -23,7 +23,10 @@ means the latter.
 
 Logprobs: completions' `logprobs: N` (0..20) scores the output with N alternatives, and with
 `echo` and N > 0 the prompt too (SGLang's `logprob_start_len = 0 if echo and logprobs`);
-chat's `logprobs: true` with `top_logprobs: N` (0..20; only with logprobs) the output.
+chat's `logprobs: true` with `top_logprobs: N` (0..20; only with logprobs) the output. A
+server started with a lower `--max-logprobs` lowers the 20 to that.
+
+`rid` is at most `MAX_RID_LENGTH` (256) characters: it is echoed as every chunk's `id`.
 
 Unknown keys are ignored, as SGLang and vLLM do; keys that would change the answer and that
 this server cannot honour (tools, suffix, non-text content, ...) are a 400 rather than
@@ -37,8 +40,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tributary.engine import LogprobRequest, SamplingParams
+from tributary.engine import BadRequest, LogprobRequest, SamplingParams
 
+from ..normalize import check_rid
 from .errors import InvalidRequest
 from .messages import parse_messages
 from .response_format import GRAMMAR_CONFLICT, response_format_schema
@@ -134,7 +138,9 @@ class ChatRequest(OpenAIRequest):
     messages: list[dict[str, str]]
 
 
-def parse_completion(body: Any, *, vocab_size: int) -> CompletionRequest:
+def parse_completion(
+    body: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROBS
+) -> CompletionRequest:
     body = _object(body)
     _reject_unsupported(body, _UNSUPPORTED_COMPLETION)
     max_tokens = body.get("max_tokens", COMPLETION_MAX_TOKENS)
@@ -143,7 +149,7 @@ def parse_completion(body: Any, *, vocab_size: int) -> CompletionRequest:
     if best_of is not None and best_of != common["n"]:
         raise InvalidRequest("best_of is not supported by this server yet.", param="best_of")
     echo = _bool(body, "echo")
-    top = _top_count(body, "logprobs")
+    top = _top_count(body, "logprobs", max_logprobs)
     logprobs = None
     if top is not None:
         # SGLang: the prompt is scored only when echo shows it and alternatives are asked for.
@@ -153,14 +159,14 @@ def parse_completion(body: Any, *, vocab_size: int) -> CompletionRequest:
     )
 
 
-def parse_chat(body: Any, *, vocab_size: int) -> ChatRequest:
+def parse_chat(body: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROBS) -> ChatRequest:
     body = _object(body)
     _reject_unsupported(body, _UNSUPPORTED_CHAT)
     messages = parse_messages(body.get("messages"))
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     common = _common(body, body.get(key), key, vocab_size)
     wanted = _bool(body, "logprobs")
-    top = _top_count(body, "top_logprobs")
+    top = _top_count(body, "top_logprobs", max_logprobs)
     if top is not None and not wanted:
         raise InvalidRequest(
             "top_logprobs can only be set when logprobs is true.", param="top_logprobs"
@@ -190,14 +196,15 @@ def _bool(body: dict[str, Any], key: str) -> bool:
     return value
 
 
-def _top_count(body: dict[str, Any], key: str) -> int | None:
+def _top_count(body: dict[str, Any], key: str, max_logprobs: int) -> int | None:
+    """OpenAI's bound (20), or the server's `--max-logprobs` when lower."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+    most = min(MAX_TOP_LOGPROBS, max_logprobs)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
         raise InvalidRequest(
-            f"{key} must be an integer between 0 and {MAX_TOP_LOGPROBS}, got {value!r}.",
-            param=key,
+            f"{key} must be an integer between 0 and {most}, got {value!r}.", param=key
         )
     return value
 
@@ -235,6 +242,10 @@ def _common(body: dict[str, Any], max_tokens: Any, max_key: str, vocab_size: int
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise InvalidRequest(f"rid must be a string, got {rid!r}.", param="rid")
+    try:
+        check_rid(rid)
+    except BadRequest as exc:
+        raise InvalidRequest(str(exc), param="rid") from None
     processor = body.get("custom_logit_processor")
     if processor is not None and not isinstance(processor, str):
         raise InvalidRequest(

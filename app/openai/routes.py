@@ -37,7 +37,9 @@ LOGGER = logging.getLogger("tributary.openai")
 def openai_blueprint(engine: EngineService, settings: ServerSettings | None = None) -> Blueprint:
     """The OpenAI-compatible API for `engine`; register it on the app serving that engine."""
     http = settings or ServerSettings()
-    served = ServedModel.for_engine(engine, timing_detail=http.enable_request_timing)
+    served = ServedModel.for_engine(
+        engine, timing_detail=http.enable_request_timing, max_logprobs=http.max_logprobs
+    )
     bp = Blueprint("openai", __name__, url_prefix="/v1")
 
     async def answer(create: Callable[..., Awaitable[Response]]) -> Response:

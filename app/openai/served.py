@@ -46,9 +46,13 @@ class ServedModel:
     speller: TokenSpeller
     #: Responses carry a `timings` object (`enable_request_timing`).
     timing_detail: bool = False
+    #: `--max-logprobs`: the most alternatives per token (within OpenAI's 20).
+    max_logprobs: int = 20
 
     @classmethod
-    def for_engine(cls, engine: EngineService, *, timing_detail: bool = False) -> ServedModel:
+    def for_engine(
+        cls, engine: EngineService, *, timing_detail: bool = False, max_logprobs: int = 20
+    ) -> ServedModel:
         """Look the model up once. A template that does not compile is logged and treated as
         absent, so chat answers a clear 400 instead of failing on every request."""
         info = engine.model_info
@@ -64,6 +68,7 @@ class ServedModel:
             template=template,
             speller=TokenSpeller(engine),
             timing_detail=timing_detail,
+            max_logprobs=max_logprobs,
         )
 
     @property
