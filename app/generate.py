@@ -45,16 +45,30 @@ from .timing import RequestTiming
 __all__ = ["drain_batch", "drain_unary", "handle_generate", "submit_all"]
 
 
-def submit_all(
+async def submit_all(
     engine: EngineService, items: Sequence[GenerateRequest], deadline: Deadline | None = None
 ) -> list[RequestStream]:
-    """Submit every item before any is drained, so the scheduler batches them; each stream
-    ends by `deadline` (a 408 abort) if one is given.
+    """Prepare the items together (`engine.prepare`: their texts tokenized and grammars
+    compiled in one go, off the event loop when that is more than a millisecond's work),
+    then submit them all at once, before any is drained, so the scheduler batches them;
+    each stream ends by `deadline` (a 408 abort) if one is given, and preparing past it is
+    a `RequestTimedOut`.
 
-    All or nothing: if one submit raises (bad input, duplicate rid, QueueFull, ...), the items
-    already submitted are aborted and the error propagates. On a full queue the items after
-    the refused one are counted as refused too, as each item is reported refused.
+    All or nothing: nothing is submitted until every item is prepared; if one submit raises
+    (bad input, duplicate rid, QueueFull, ...), the items already submitted are aborted and
+    the error propagates. A queue that cannot take every item refuses them all before any
+    work (`prepare`'s QueueFull), and each is counted as refused; so are, on a queue that
+    fills while they are prepared, the items after the refused one.
     """
+    try:
+        if deadline is None:
+            items = await engine.prepare(items)
+        else:
+            with deadline.applied():
+                items = await engine.prepare(items)
+    except QueueFull:
+        engine.count_refused(len(items))
+        raise
     streams: list[RequestStream] = []
     try:
         for item in items:
@@ -196,12 +210,13 @@ async def handle_generate(
         body,
         vocab_size=engine.model_info.vocab_size,
         max_items=engine.capacity,
+        max_logprobs=settings.max_logprobs,
     )
     timing = RequestTiming.start(exchange)
     weight_version = settings.weight_version
     detail = settings.enable_request_timing
     try:
-        streams = submit_all(engine, req.items, deadline)
+        streams = await submit_all(engine, req.items, deadline)
     except QueueFull as exc:
         if not req.stream:
             raise  # SGLang's 503 (errors.engine_error_response)

@@ -6,7 +6,7 @@ Synopsis::
     deadline = Deadline.for_request(settings, header)    # BadRequest for a bad header
     with deadline.applied():                             # RequestTimedOut if it passes here
         body = await read_json_body()                    # RequestTooLarge past the limit
-    streams = submit_all(engine, items, deadline)        # each stream ends by it
+    streams = await submit_all(engine, items, deadline)  # each stream ends by it
 
 Body size (`ServerSettings.max_request_bytes`, `--max-request-bytes`): Quart's
 `MAX_CONTENT_LENGTH`, which `create_app` sets. Measured on Quart 0.22 / Quart-Trio 0.12 over

@@ -28,10 +28,11 @@ from quart import Blueprint, Response
 from werkzeug.exceptions import HTTPException
 
 from tributary.engine import BadRequest, EngineError, EngineService
+from tributary.engine.offload import detokenize_all, tokenize_all
 
 from .errors import sglang_error_object
 from .normalize import bool_field, read_json_body
-from .openai.chat_template import ChatTemplate
+from .openai.chat_template import ChatTemplate, render_prompt_ids
 from .openai.errors import StatusError
 from .openai.messages import parse_messages
 from .output import json_response
@@ -71,14 +72,16 @@ def tokenize_blueprint(engine: EngineService) -> Blueprint:
             raise BadRequest("Exactly one of 'prompt' or 'messages' must be provided.")
         max_model_len = engine.model_info.context_length
         if messages is not None:
-            ids = _chat_prompt_ids(engine, template, body)
+            ids = await _chat_prompt_ids(engine, template, body)
             return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
         add_special = bool_field(body, "add_special_tokens", default=True)
         if isinstance(prompt, str):
-            ids = engine.tokenize(prompt, add_special=add_special)
+            [ids] = await tokenize_all(engine, [prompt], add_special=add_special)
             return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            lists = [engine.tokenize(p, add_special=add_special) for p in prompt]
+            # All of them weighed together, and off the loop in one job when that is more
+            # than a millisecond's work: many short prompts add up (offload.tokenize_all).
+            lists = await tokenize_all(engine, prompt, add_special=add_special)
             counts = [len(ids) for ids in lists]
             return json_response({"tokens": lists, "count": counts, "max_model_len": max_model_len})
         raise InvalidTokenInput(
@@ -99,18 +102,20 @@ def tokenize_blueprint(engine: EngineService) -> Blueprint:
                 "Expected List[int] or List[List[int]]."
             )
         if tokens and isinstance(tokens[0], list):
-            texts = []
             for i, ids in enumerate(tokens):
                 if not isinstance(ids, list) or not _all_ints(ids):
                     raise InvalidTokenInput(
                         "Invalid input: Sublist in 'tokens' must contain only integers. "
                         f"Found: {json.dumps(ids)}"
                     )
-                texts.append(_decode(engine, ids, f"tokens[{i}]", skip_special))
+                _check_ids(engine, ids, f"tokens[{i}]")
+            texts = await detokenize_all(engine, tokens, skip_special_tokens=skip_special)
             return json_response({"text": texts})
         if not _all_ints(tokens):
             raise InvalidTokenInput("Invalid input: 'tokens' must be a list of integers.")
-        return json_response({"text": _decode(engine, tokens, "tokens", skip_special)})
+        _check_ids(engine, tokens, "tokens")
+        [text] = await detokenize_all(engine, [tokens], skip_special_tokens=skip_special)
+        return json_response({"text": text})
 
     @bp.errorhandler(EngineError)
     async def on_engine_error(error: EngineError) -> Response:
@@ -148,7 +153,7 @@ def _chat_template(engine: EngineService) -> ChatTemplate | None:
         return None  # logged once by the /v1 blueprint, which compiles the same template
 
 
-def _chat_prompt_ids(
+async def _chat_prompt_ids(
     engine: EngineService, template: ChatTemplate | None, body: dict[str, Any]
 ) -> list[int]:
     """The ids /v1/chat/completions would run for these messages: the template's text,
@@ -163,11 +168,12 @@ def _chat_prompt_ids(
             "This model has no chat template (its GGUF has no tokenizer.chat_template), so "
             "messages cannot be rendered; send a prompt instead."
         )
-    text = template.render(messages, add_generation_prompt=add_generation_prompt)
-    return engine.tokenize(text, add_special=False)
+    return await render_prompt_ids(
+        template, engine, messages, add_generation_prompt=add_generation_prompt
+    )
 
 
-def _decode(engine: EngineService, ids: list[int], where: str, skip_special: bool) -> str:
+def _check_ids(engine: EngineService, ids: list[int], where: str) -> None:
     vocab = engine.model_info.vocab_size
     for j, token in enumerate(ids):
         if not 0 <= token < vocab:
@@ -175,7 +181,6 @@ def _decode(engine: EngineService, ids: list[int], where: str, skip_special: boo
                 f"Invalid input: {where}[{j}] is {token}, which is not a token id of this "
                 f"model; valid ids are in [0, {vocab})."
             )
-    return engine.detokenize(ids, skip_special_tokens=skip_special)
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Sequence as SequenceOf
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -33,6 +35,7 @@ from .errors import (
 )
 from .grammar import GRAMMAR_KINDS, LlgMatcher
 from .logits import LogitHooks, LogprobCollector, ProcessorCall
+from .offload import MARKS, off_loop, runs_inline
 from .request import (
     EngineStats,
     GenerateRequest,
@@ -52,7 +55,7 @@ if TYPE_CHECKING:
 from .service_nursery import open_service_nursery
 from .stream import RequestStream, open_output_channel
 
-__all__ = ["Engine", "EngineLoad", "IdleReport", "open_engine"]
+__all__ = ["Engine", "EngineLoad", "IdleReport", "PreparedRequest", "open_engine"]
 
 
 @asynccontextmanager
@@ -76,15 +79,23 @@ async def open_engine(
         runner = await open_runner(config)
     try:
         engine = Engine(runner, config)
-        async with open_service_nursery() as nursery:
-            await nursery.start(engine._scheduler.run)
-            engine._nursery = nursery
-            engine._scheduler_tasks = frozenset(nursery.child_tasks)
-            try:
-                yield engine
-            finally:
-                engine._closed = True
-                nursery.cancel_scope.cancel()
+        try:
+            async with open_service_nursery() as nursery:
+                await nursery.start(engine._scheduler.run)
+                engine._nursery = nursery
+                engine._scheduler_tasks = frozenset(nursery.child_tasks)
+                try:
+                    yield engine
+                finally:
+                    # Closed before the scheduler is cancelled: no submit (nor worker thread)
+                    # starts while it winds down. An engine never yielded needs no closing.
+                    engine._close()
+                    nursery.cancel_scope.cancel()
+        finally:
+            # A worker thread still tokenizing (its caller left) finishes before the model
+            # is freed under it; its work is bounded by what one request may send.
+            with trio.CancelScope(shield=True):
+                await engine._model_released()
     finally:
         runner.close()
 
@@ -106,6 +117,48 @@ async def open_runner(config: EngineConfig) -> Runner:
             fail_at_step=config.sim_fail_at_step,
         )
     raise ValueError(f"unknown runner {config.runner!r}; expected 'llama' or 'sim'")
+
+
+class _Prepared:
+    """What `Engine.prepare` computed for a request, and from what: its prompt ids (or the
+    error tokenizing raised) and its compiled grammar (or the error compiling raised)."""
+
+    __slots__ = (
+        "grammar",
+        "grammar_error",
+        "input_ids",
+        "prompt_error",
+        "prompt_ids",
+        "sampling",
+        "text",
+    )
+
+    def __init__(self, request: GenerateRequest) -> None:
+        self.text: str | None = request.text
+        self.input_ids = request.input_ids
+        self.sampling = request.sampling
+        self.prompt_ids: list[int] | None = None
+        self.prompt_error: Exception | None = None
+        #: The compiled matcher, handed to one submit only (it holds the sequence's state).
+        self.grammar: LlgMatcher | None = None
+        self.grammar_error: Exception | None = None
+
+    def fits(self, request: GenerateRequest) -> bool:
+        """Whether this was computed from `request`'s own prompt and sampling params."""
+        return (
+            request.text is self.text
+            and request.input_ids is self.input_ids
+            and request.sampling is self.sampling
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreparedRequest(GenerateRequest):
+    """A `GenerateRequest` that `Engine.prepare` has tokenized and whose grammar it has
+    compiled, off the event loop; `Engine.submit` takes it like any request and skips that
+    work."""
+
+    prepared: _Prepared = dataclasses.field(repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,6 +216,12 @@ class Engine:
         self._closed = False
         self._nursery: trio.Nursery | None = None  # set by open_engine
         self._scheduler_tasks: frozenset[trio.lowlevel.Task] = frozenset()
+        # Worker threads using the model's vocabulary (tokenizing, compiling a grammar):
+        # the model is freed only once none is left (open_engine).
+        self._model_lock = threading.Lock()
+        self._model_users = 0
+        # What special tokens begin with, for weighing a text's tokenizing (offload.work).
+        self._marks: str | None = getattr(runner, "special_marks", MARKS)
 
     @property
     def capacity(self) -> int:
@@ -222,25 +281,111 @@ class Engine:
         return self._scheduler.flush_prefix_cache()
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        self._check_open()
-        return self._runner.tokenize(text, add_special=add_special)
+        """The model's ids for `text`. Safe to call from a worker thread (`offload.off_loop`),
+        as the HTTP layer does for large texts: the model is not freed while it runs."""
+        with self._using_model():
+            return self._runner.tokenize(text, add_special=add_special)
 
     def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        self._check_open()
-        vocab = self._runner.info.vocab_size
-        for token in ids:
-            if not 0 <= token < vocab:
-                raise BadRequest(f"token id {token} is out of the vocabulary [0, {vocab}).")
-        piece = self._runner.token_piece
-        return b"".join(piece(t, special=not skip_special_tokens) for t in ids).decode(
-            errors="replace"
-        )
+        """The text of `ids`. Safe to call from a worker thread, as `tokenize`."""
+        with self._using_model():
+            vocab = self._runner.info.vocab_size
+            for token in ids:
+                if not 0 <= token < vocab:
+                    raise BadRequest(f"token id {token} is out of the vocabulary [0, {vocab}).")
+            piece = self._runner.token_piece
+            return b"".join(piece(t, special=not skip_special_tokens) for t in ids).decode(
+                errors="replace"
+            )
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes, control tokens spelled out (`<|im_end|>`): what logprob
         entries show for a token. A token may hold part of a UTF-8 character."""
         self._check_open()
         return self._runner.token_piece(token_id, special=True)
+
+    async def prepare(self, items: SequenceOf[GenerateRequest]) -> list[GenerateRequest]:
+        """Do the slow part of `submit` for all of one request's `items` (a batch, or n
+        copies) together, off the event loop: tokenize their texts (each distinct text
+        once) and compile their grammars (each distinct grammar once, every item then getting
+        its own copy of the matcher's state), and return `PreparedRequest`s carrying the
+        results for `submit`, which then skips that work.
+
+        The work is weighed for all the items at once (`offload.work`): up to
+        `offload.INLINE_WORK` (about a millisecond) it is done here, on the event loop;
+        past it, and whenever a grammar is compiled, in one worker-thread job. Items with
+        nothing to do (token ids, no grammar) come back as they are.
+
+        Raises QueueFull at once, before any work, when the items cannot all fit the
+        queue's free places (as `submit` would for the first one past them); nothing is
+        counted then (the caller counts the refused items: `count_refused`). Other errors
+        are not raised here: `submit` raises them, at the point and in the order it always
+        has. Cancelling the caller returns at once (the thread finishes its bounded work on
+        its own). `submit` without `prepare` does the same work inline.
+        """
+        self._check_open()
+        items = list(items)
+        free = self.config.max_queued_requests - self._scheduler.queue_depth()
+        if len(items) > free:
+            raise QueueFull("The request queue is full.")  # as submit's own refusal
+        todo = [i for i, item in enumerate(items) if _needs_preparing(item)]
+        if not todo:
+            return items
+        wanted = [items[i] for i in todo]
+        texts = {item.text for item in wanted if item.input_ids is None and item.text is not None}
+        if any(_grammar_kind(item.sampling) for item in wanted) or not runs_inline(
+            *texts, marks=self._marks
+        ):
+            done = await off_loop(self._prepare_all, wanted)
+        else:
+            done = self._prepare_all(wanted)
+        for i, prepared in zip(todo, done, strict=True):
+            items[i] = prepared
+        return items
+
+    def _prepare_all(self, items: list[GenerateRequest]) -> list[GenerateRequest]:
+        """`prepare`'s work for `items`, in one go (a worker thread, or the loop when cheap):
+        each distinct text tokenized once, each distinct grammar compiled once."""
+        with self._using_model():
+            prompts: dict[str, tuple[list[int] | None, Exception | None]] = {}
+            results = []
+            for request in items:
+                prepared = _Prepared(request)
+                if request.input_ids is None and request.text is not None:
+                    if request.text not in prompts:
+                        try:
+                            prompts[request.text] = (self._prompt_ids(request), None)
+                        except Exception as exc:
+                            prompts[request.text] = (None, exc)
+                    prepared.prompt_ids, prepared.prompt_error = prompts[request.text]
+                else:
+                    try:
+                        prepared.prompt_ids = self._prompt_ids(request)
+                    except Exception as exc:
+                        prepared.prompt_error = exc
+                results.append(prepared)
+            grammars: dict[tuple[str, str], tuple[LlgMatcher | None, Exception | None]] = {}
+            for request, prepared in zip(items, results, strict=True):
+                kind = _grammar_kind(request.sampling)
+                if kind is None or prepared.prompt_error is not None:
+                    continue  # submit raises the prompt's error first: no grammar needed
+                key = (kind, getattr(request.sampling, kind))
+                if key not in grammars:
+                    try:
+                        grammars[key] = (self._grammar(request.sampling), None)
+                    except Exception as exc:
+                        grammars[key] = (None, exc)
+                    prepared.grammar, prepared.grammar_error = grammars[key]
+                else:
+                    # The compiled grammar is shared; each sequence gets its own position in
+                    # it (about a microsecond a copy, measured).
+                    compiled, prepared.grammar_error = grammars[key]
+                    prepared.grammar = None if compiled is None else compiled.copy()
+        fields = [f.name for f in dataclasses.fields(GenerateRequest)]
+        return [
+            PreparedRequest(**{name: getattr(request, name) for name in fields}, prepared=prepared)
+            for request, prepared in zip(items, results, strict=True)
+        ]
 
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Validate and enqueue `request`; return its stream at once.
@@ -259,7 +404,14 @@ class Engine:
                 f"n={params.n}: the engine runs one sample per request; submit n requests "
                 "(the HTTP layer expands n this way)."
             )
-        prompt_ids = self._prompt_ids(request)
+        prepared = _prepared_for(request)
+        if prepared is None:
+            prompt_ids = self._prompt_ids(request)
+        elif prepared.prompt_error is not None:
+            raise prepared.prompt_error
+        else:
+            assert prepared.prompt_ids is not None
+            prompt_ids = list(prepared.prompt_ids)
         rid = request.rid if request.rid is not None else uuid.uuid4().hex
         if rid in self._live:
             raise DuplicateRequestId(rid)
@@ -268,7 +420,7 @@ class Engine:
             if counts_as_request(rid):
                 self._scheduler.aborted_requests += 1
             raise QueueFull("The request queue is full.")  # SGLang's words; clients match them
-        hooks = self._hooks(request, prompt_ids, rid)
+        hooks = self._hooks(request, prompt_ids, rid, prepared)
         sender, receiver = open_output_channel(rid)
         special = not params.skip_special_tokens
         seq = Sequence(
@@ -364,6 +516,31 @@ class Engine:
         if self._closed:
             raise EngineClosed("The engine is shutting down.")
 
+    @contextmanager
+    def _using_model(self) -> Iterator[None]:
+        """Hold the model open for the block, from any thread (EngineClosed once closing)."""
+        with self._model_lock:
+            self._check_open()
+            self._model_users += 1
+        try:
+            yield
+        finally:
+            with self._model_lock:
+                self._model_users -= 1
+
+    def _close(self) -> None:
+        with self._model_lock:
+            self._closed = True
+
+    async def _model_released(self) -> None:
+        """Wait until no worker thread uses the model (after `_close`, none starts), nor a
+        grammar compile whose caller stopped waiting for it (its tokenizer reads the
+        vocabulary); a compile is bounded by the grammar checks, so 30 s only bounds a hang."""
+        while self._model_users:
+            await trio.sleep(0.005)
+        if (grammars := self._runner.grammars) is not None:
+            await trio.to_thread.run_sync(grammars.wait_idle, 30.0, abandon_on_cancel=True)
+
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         vocab = self._runner.info.vocab_size
         if request.input_ids is not None:
@@ -379,13 +556,27 @@ class Engine:
             return list(ids)
         if request.text is None:
             raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+        context = self._runner.info.context_length
+        if len(request.text) >= context:
+            # A cheap lower bound first (linear, no tokenizing): a text that can never fit
+            # is refused before the tokenizer spends time on it.
+            at_least = tokens_at_least(self._runner, request.text)
+            if at_least >= context:
+                raise ContextLengthExceeded(
+                    f"The input (at least {at_least} tokens) is longer than the model's "
+                    f"context length ({context} tokens)."
+                )
         ids = self._runner.tokenize(request.text, add_special=True)
         if not ids:
             raise BadRequest("texts cannot be empty and tokenizer must be initialized")
         return ids
 
     def _hooks(
-        self, request: GenerateRequest, prompt_ids: list[int], rid: str
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        rid: str,
+        prepared: _Prepared | None = None,
     ) -> LogitHooks | None:
         """The per-sequence logits work a request needs, or None (most requests)."""
         params = request.sampling
@@ -410,7 +601,13 @@ class Engine:
                 load_processor(request.custom_logit_processor),
                 dict(custom) if isinstance(custom, Mapping) else None,
             )
-        grammar = self._grammar(params)
+        if prepared is not None and prepared.grammar_error is not None:
+            raise prepared.grammar_error
+        if prepared is not None and prepared.grammar is not None:
+            grammar: LlgMatcher | None = prepared.grammar
+            prepared.grammar = None  # one sequence's state: a second submit compiles anew
+        else:
+            grammar = self._grammar(params)
         if logprobs is None and processor is None and grammar is None:
             return None
         return LogitHooks(
@@ -420,19 +617,48 @@ class Engine:
     def _grammar(self, params: SamplingParams) -> LlgMatcher | None:
         """The request's grammar, compiled and checked now (a 400 before anything is queued).
         An empty grammar string means none, as in SGLang."""
-        kinds = [k for k in GRAMMAR_KINDS if getattr(params, k)]
-        if not kinds:
+        kind = _grammar_kind(params)
+        if kind is None:
             return None
         if self._runner.grammars is None:
             raise BadRequest(
-                f"{kinds[0]} needs a runner with a vocabulary (the llama runner); "
+                f"{kind} needs a runner with a vocabulary (the llama runner); "
                 f"this engine's runner ({type(self._runner).__name__}) cannot constrain decoding."
             )
-        return self._runner.grammars.matcher(kinds[0], getattr(params, kinds[0]))
+        return self._runner.grammars.matcher(kind, getattr(params, kind))
 
     def _forget(self, seq: Sequence) -> None:
         if self._live.get(seq.rid) is seq:
             del self._live[seq.rid]
+
+
+def _grammar_kind(params: SamplingParams) -> str | None:
+    """The grammar field a request uses (an empty string means none, as in SGLang)."""
+    return next((k for k in GRAMMAR_KINDS if getattr(params, k)), None)
+
+
+def _needs_preparing(request: GenerateRequest) -> bool:
+    """Whether `prepare` has anything to do for `request`: a text to tokenize or a grammar
+    to compile, not already done for this very request."""
+    if isinstance(request, PreparedRequest) and request.prepared.fits(request):
+        return False
+    text = request.input_ids is None and request.text is not None
+    return text or _grammar_kind(request.sampling) is not None
+
+
+def _prepared_for(request: GenerateRequest) -> _Prepared | None:
+    """What `prepare` computed for this very request, if anything (a request rebuilt with
+    another prompt or other params is worked out afresh)."""
+    if isinstance(request, PreparedRequest) and request.prepared.fits(request):
+        return request.prepared
+    return None
+
+
+def tokens_at_least(runner: Runner, text: str) -> int:
+    """A lower bound on `len(runner.tokenize(text))`, in linear time without tokenizing: the
+    runner's `tokens_at_least` (the llama runner counts special tokens, one id each), or 0."""
+    bound = getattr(runner, "tokens_at_least", None)
+    return 0 if bound is None else int(bound(text))
 
 
 class _RequestView:

@@ -14,6 +14,12 @@ Contract shared by both (docs/architecture.md):
 - `submit` is synchronous: it validates what it can and returns a `RequestStream` at once, or
   raises an `EngineError` (nothing is started then). The stream yields `Frame`s, then one
   `Done` or `Error`; leaving it early aborts the request, synchronously.
+- `prepare` (async) does the part of `submit` whose cost grows with what a client sent
+  (tokenizing long texts, compiling grammars) for all of one request's items at once, off
+  the event loop, and returns the items for `submit` to take; it raises QueueFull when the
+  items cannot all fit the queue, and nothing else that `submit` would not raise later. The
+  HTTP layer awaits it for a request's items before submitting them
+  (`app.generate.submit_all`).
 - `abort*` only mark: the request's stream ends with a `Done` whose finish_reason is an abort.
 - What an implementation cannot do raises `NotSupported` (501) naming why (a remote fleet has
   no tokenizer at the front; a local engine has no workers), never a wrong answer.
@@ -22,6 +28,7 @@ Contract shared by both (docs/architecture.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,6 +71,13 @@ class EngineService(Protocol):
 
     def slowest_recent_step(self) -> float:
         """How long an abort may wait for the step boundary that acts on it (0: unknown)."""
+        ...
+
+    async def prepare(self, items: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+        """One request's `items` (a batch, n copies), with their slow validation work
+        (tokenizing, grammar compiling) done together off the event loop for `submit` to take
+        (an item itself when it has none). QueueFull, before any work, when they cannot all
+        fit the queue."""
         ...
 
     def submit(self, request: GenerateRequest) -> RequestStream: ...

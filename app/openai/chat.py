@@ -36,6 +36,7 @@ from ..generate import submit_all
 from ..limits import Deadline
 from ..output import json_response
 from ..timing import RequestTiming
+from .chat_template import render_prompt_ids
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import TokenSpeller, chat_logprob_content
 from .protocol import ChatRequest, parse_chat
@@ -47,10 +48,10 @@ from .timings import llama_timings
 __all__ = ["create_chat_completion", "render_chat_prompt"]
 
 
-def render_chat_prompt(served: ServedModel, req: ChatRequest) -> list[int]:
-    """The prompt tokens for `req.messages`: template text, no special tokens added."""
-    text = served.chat_template().render(req.messages)
-    return served.engine.tokenize(text, add_special=False)
+async def render_chat_prompt(served: ServedModel, req: ChatRequest) -> list[int]:
+    """The prompt tokens for `req.messages`: template text, no special tokens added.
+    Rendered and tokenized off the event loop unless the chat is short (`render_prompt_ids`)."""
+    return await render_prompt_ids(served.chat_template(), served.engine, req.messages)
 
 
 async def create_chat_completion(
@@ -72,13 +73,15 @@ async def create_chat_completion(
             owned,
             deadline=deadline or Deadline(None, math.inf),
         )
-    req = parse_chat(body, vocab_size=engine.model_info.vocab_size)
+    req = parse_chat(
+        body, vocab_size=engine.model_info.vocab_size, max_logprobs=served.max_logprobs
+    )
     served.check_model(req.model)
     served.check_max_tokens(req)
     timing = RequestTiming.start(exchange)
-    prompt_ids = render_chat_prompt(served, req)
+    prompt_ids = await render_chat_prompt(served, req)
     items = served.expand([prompt_ids], req)
-    streams = submit_all(engine, items, deadline)
+    streams = await submit_all(engine, items, deadline)
     owned.extend(streams)
     # Counted in /metrics once the whole response has succeeded (collect, the stream's end).
     timings = [

@@ -31,10 +31,20 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tributary.engine import EngineService
+from tributary.engine.offload import INLINE_WORK, SPECIAL_WEIGHT, off_loop, work
 
 from .errors import InvalidRequest
 
-__all__ = ["ChatTemplate"]
+__all__ = ["ChatTemplate", "render_prompt_ids"]
+
+#: Chats up to this many messages (and `offload.INLINE_WORK` of work) are rendered and
+#: tokenized on the event loop; larger ones in a worker thread.
+INLINE_MESSAGES = 16
+
+#: What the template adds to the work for each message, in `offload.work`'s characters:
+#: the two special tokens a template writes around a message (`<|im_start|>`, `<|im_end|>`)
+#: and jinja's own time.
+MESSAGE_WORK = 2 * SPECIAL_WEIGHT + 40
 
 
 class _TemplateRaised(Exception):
@@ -119,6 +129,44 @@ class ChatTemplate:
             raise InvalidRequest(
                 f"The model's chat template failed on these messages: {exc}", param="messages"
             ) from None
+
+
+async def render_prompt_ids(
+    template: ChatTemplate,
+    engine: EngineService,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The ids of `messages` rendered by `template`, tokenized without adding special tokens
+    (the template writes them). A short chat is done on the event loop; a long one (up to
+    `messages.MAX_MESSAGES`) in a worker thread (`offload.off_loop`), since jinja and the
+    tokenizer take time in proportion to it."""
+
+    def render_and_tokenize() -> list[int]:
+        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        return engine.tokenize(text, add_special=False)
+
+    if len(messages) <= INLINE_MESSAGES and _chat_work(messages) <= INLINE_WORK:
+        return render_and_tokenize()
+    return await off_loop(render_and_tokenize)
+
+
+def _chat_work(messages: list[dict[str, str]]) -> int:
+    """What rendering and tokenizing `messages` costs (`offload.work`): every string the
+    template may render (content, name, any other field), and MESSAGE_WORK a message."""
+    total = len(messages) * MESSAGE_WORK
+    pending: list[object] = list(messages)
+    while pending and total <= INLINE_WORK:
+        value = pending.pop()
+        if isinstance(value, str):
+            total += work(value) if len(value) <= INLINE_WORK else len(value)
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+    return total
 
 
 def _token_text(engine: EngineService, token_id: int | None) -> str:

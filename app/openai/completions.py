@@ -29,6 +29,7 @@ from typing import Any
 from quart import Response
 
 from tributary.engine import Done, Frame
+from tributary.engine.offload import detokenize_all
 
 from ..exchange import Exchange
 from ..generate import submit_all
@@ -56,14 +57,18 @@ async def create_completion(
     """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
     past `deadline`, a 408 (the status, or a stream's error event)."""
     engine = served.engine
-    req = parse_completion(body, vocab_size=engine.model_info.vocab_size)
+    req = parse_completion(
+        body, vocab_size=engine.model_info.vocab_size, max_logprobs=served.max_logprobs
+    )
     served.check_model(req.model)
     served.check_max_tokens(req)
-    echoes = _echoes(served, req) if req.echo else None
     timing = RequestTiming.start(exchange)
     items = served.expand(req.prompts, req)
-    streams = submit_all(engine, items, deadline)
+    streams = await submit_all(engine, items, deadline)
     owned.extend(streams)
+    # After submitting: a prompt too long for the context is refused before its ids are
+    # read back (and a long list is read off the event loop).
+    echoes = await _echoes(served, req) if req.echo else None
     # Counted in /metrics once the whole response has succeeded (collect, the stream's end).
     timings = [
         timing.for_item(s, item, count_on_done=False)
@@ -97,12 +102,12 @@ async def create_completion(
     )
 
 
-def _echoes(served: ServedModel, req: CompletionRequest) -> list[str]:
-    """Each choice's prompt text, for `echo`."""
-    texts = [
-        p if isinstance(p, str) else served.engine.detokenize(p, skip_special_tokens=False)
-        for p in req.prompts
-    ]
+async def _echoes(served: ServedModel, req: CompletionRequest) -> list[str]:
+    """Each choice's prompt text, for `echo`: token prompts detokenized all in one go, in a
+    worker thread when long (`offload.detokenize_all`)."""
+    lists = [p for p in req.prompts if not isinstance(p, str)]
+    decoded = iter(await detokenize_all(served.engine, lists, skip_special_tokens=False))
+    texts = [p if isinstance(p, str) else next(decoded) for p in req.prompts]
     return [text for text in texts for _ in range(req.n)]
 
 

@@ -16,9 +16,14 @@ from typing import Any
 
 from .errors import InvalidRequest
 
-__all__ = ["CHAT_ROLES", "parse_messages"]
+__all__ = ["CHAT_ROLES", "MAX_MESSAGES", "parse_messages"]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+#: The most messages one chat may hold (OpenAI's and Azure OpenAI's limit; SGLang, vLLM and
+#: llama-server set none). Refused before any is read or templated: rendering and tokenizing
+#: cost grows with the count (docs/reliability.md, "Special tokens and long chats").
+MAX_MESSAGES = 2048
 
 
 def parse_messages(raw: Any) -> list[dict[str, str]]:
@@ -31,6 +36,12 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
         raise InvalidRequest("messages is required.", param="messages")
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("messages must be a non-empty list of messages.", param="messages")
+    if len(raw) > MAX_MESSAGES:
+        raise InvalidRequest(
+            f"messages holds {len(raw)} messages; this server takes at most {MAX_MESSAGES} "
+            "in one chat.",
+            param="messages",
+        )
     out = []
     for i, message in enumerate(raw):
         where = f"messages[{i}]"

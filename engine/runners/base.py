@@ -157,7 +157,13 @@ class Runner(Protocol):
         if this runner cannot constrain decoding."""
         ...
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]: ...
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        """The ids of `text`. Called on the event loop for short texts and from a worker
+        thread for long ones (the engine's `prepare`, `/tokenize`), possibly while a step
+        runs: it must only read the vocabulary. A runner may also have
+        `tokens_at_least(text) -> int`, a lower bound on the ids in linear time, which the
+        engine checks against the context before tokenizing a long text."""
+        ...
 
     def token_piece(self, token_id: int, *, special: bool) -> bytes:
         """The bytes of one token; control tokens render empty unless `special`."""

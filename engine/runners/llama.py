@@ -57,6 +57,7 @@ from ..request import ModelInfo
 from ..sampling import SamplingParams
 from .base import DecodeRun, KVRestore, RunFeed, SeqStep, nothing_decoded
 from .hugepages import HugePages, anonymous_ranges, back_with_huge_pages, fresh_ranges
+from .special_split import SpecialToken, SpecialTokens, cut_points
 
 __all__ = [
     "MAX_GRAPH_TOKENS",
@@ -88,6 +89,38 @@ MAX_UNTAKEN = 1
 #: 16,384), and this size already runs at full speed (16 prompts of 60 tokens: two decodes
 #: of 8 took as long as one of 16).
 MAX_GRAPH_TOKENS = 512
+
+
+#: Vocabularies tokenized in pieces cut after special tokens (special_split.py): those whose
+#: tokenizer runs on each fragment between special tokens on its own AND whose exactness is
+#: tested against llama.cpp's whole-text answer (tests/engine/test_special_split.py, on the
+#: default model's BPE vocabulary). SentencePiece (SPM) and Unigram (UGM) vocabularies
+#: should split the same way, but no GGUF of theirs is at hand to test against, so they are
+#: tokenized whole: llama.cpp's quadratic split, whose cost the engine's "at least N tokens"
+#: refusal bounds at about context² for a prompt (docs/reliability.md).
+_PIECEWISE_VOCABS = frozenset({llama_cpp.LLAMA_VOCAB_TYPE_BPE})
+
+_SPECIAL_ATTRS = (
+    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+)
+
+
+def special_tokens(vocab: Any) -> SpecialTokens:
+    """The tokens llama.cpp's tokenizer splits a text at (its `cache_special_tokens`)."""
+    found = []
+    for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+        attr = llama_cpp.llama_vocab_get_attr(vocab, token)
+        if attr & _SPECIAL_ATTRS:
+            found.append(
+                SpecialToken(
+                    text=llama_cpp.llama_vocab_get_text(vocab, token) or b"",
+                    lstrip=bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP),
+                    rstrip=bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP),
+                )
+            )
+    return SpecialTokens(found)
 
 
 def graph_tokens(config: EngineConfig) -> int:
@@ -194,6 +227,9 @@ class LlamaRunner:
         self.huge_pages = huge_pages
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self._n_vocab = n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self._specials = special_tokens(self._vocab)
+        self._vocab_type = llama_cpp.llama_vocab_type(self._vocab)
+        self._adds_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
         train_ctx = llama_cpp.llama_model_n_ctx_train(model)
         self._context = context = config.context_length or train_ctx
         if context > train_ctx:
@@ -295,7 +331,41 @@ class LlamaRunner:
     # -- tokens -------------------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        """llama.cpp's ids for `text`, in time linear in the number of special tokens in it
+        (special_split.py: llama.cpp's own split is quadratic in them). Safe to call from
+        any thread, beside a decode on the compute thread: tokenizing only reads the
+        vocabulary, as llama-server tokenizes in its HTTP threads."""
         data = text.encode()
+        cuts = cut_points(data, self._specials) if self._splits_at_specials(add_special) else []
+        if not cuts:
+            return self._tokenize_bytes(data, add_special)
+        ids: list[int] = []
+        begin = 0
+        for end, resume in cuts:
+            ids += self._tokenize_bytes(data[begin:end], add_special and begin == 0)
+            begin = resume
+        ids += self._tokenize_bytes(data[begin:], False)
+        return ids
+
+    @property
+    def special_marks(self) -> str | None:
+        """The characters this vocabulary's special tokens begin with (None: too many to
+        count), for weighing what tokenizing a text costs (`offload.work`)."""
+        return self._specials.marks
+
+    def tokens_at_least(self, text: str) -> int:
+        """A lower bound on `len(tokenize(text))` in linear time, without tokenizing: the
+        special tokens in it, one id each (the engine refuses a text that can never fit
+        before tokenizing it)."""
+        return self._specials.count(text.encode())
+
+    def _splits_at_specials(self, add_special: bool) -> bool:
+        """Whether the text may be tokenized in pieces cut after special tokens (exactness:
+        special_split.py): tokenizers that tokenize each fragment on its own, and no EOS
+        to add after the last piece only."""
+        return self._vocab_type in _PIECEWISE_VOCABS and not (add_special and self._adds_eos)
+
+    def _tokenize_bytes(self, data: bytes, add_special: bool) -> list[int]:
         size = len(data) + 2
         buf = (llama_cpp.llama_token * size)()
         # parse_special: control-token text such as "<|im_start|>" becomes the token, as

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -200,6 +200,9 @@ class ScriptedEngine:
         self.requests: list[GenerateRequest] = []
         self.senders: list[engine.OutputSender] = []
         self.aborted: list[str] = []
+
+    async def prepare(self, items: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+        return list(items)  # nothing to tokenize or compile
 
     def submit(self, request: GenerateRequest) -> engine.RequestStream:
         i = len(self.requests)
