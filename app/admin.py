@@ -4,11 +4,17 @@ balancers call: `/health`, `/health_generate`, `/get_model_info` (`/model_info`)
 `/abort_request`, `/flush_cache`, and the worker routes of a front serving a fleet
 (`/list_workers`, `/add_worker`, `/remove_worker`: SGLang's model gateway's names).
 docs/api.md has the wire details.
+
+A front's worker routes answer only the admin key, and only when one is set
+(`--admin-api-key`; without one they are off: 403). Adding a worker sends other users'
+prompts to it, and the list names internal addresses: neither is for a plain API key's
+holder, nor for anyone who can reach an unkeyed front.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import importlib.metadata
 import logging
 import uuid
@@ -31,8 +37,10 @@ from tributary.engine import (
 )
 
 from .errors import abort_status
+from .health import SharedProbe
 from .metrics import CONTENT_TYPE
 from .normalize import read_json_body
+from .openai.errors import StatusError, Unauthorized
 from .output import json_response
 from .state import ServerState
 
@@ -61,9 +69,12 @@ def admin_blueprint(engine: EngineService, state: ServerState) -> Blueprint:
     async def health() -> Response:
         return Response("", status=503 if state.draining else 200, mimetype="text/plain")
 
+    # One probe in the engine at a time, however many callers (health.py).
+    shared_probe = SharedProbe(lambda: _probe(engine, settings.health_check_timeout))
+
     @bp.route("/health_generate", methods=["GET"])
     async def health_generate() -> Response:
-        ok = not state.draining and await _probe(engine, settings.health_check_timeout)
+        ok = not state.draining and await shared_probe()
         return Response("", status=200 if ok else 503, mimetype="text/plain")
 
     @bp.route("/get_model_info", methods=["GET"])
@@ -158,12 +169,25 @@ def admin_blueprint(engine: EngineService, state: ServerState) -> Blueprint:
         flushed = engine.flush_cache()
         return Response(FLUSH_CACHE_MESSAGE, status=200 if flushed else 400, mimetype="text/plain")
 
+    def require_worker_admin() -> None:
+        """A front's worker routes: the admin key only, and only when there is one. (A
+        server with its own model has no workers; its routes answer so to anyone.)"""
+        if not engine.serves_remotely:
+            return
+        admin_key = settings.admin_api_key
+        if not admin_key:
+            raise StatusError(403, WORKER_ROUTES_OFF)
+        if not _bearer_is(admin_key):
+            raise Unauthorized("This endpoint manages the workers and needs the admin API key.")
+
     @bp.route("/list_workers", methods=["GET"])
     async def list_workers() -> Response:
+        require_worker_admin()
         return json_response({"workers": [dataclasses.asdict(w) for w in engine.worker_stats()]})
 
     @bp.route("/add_worker", methods=["POST"])
     async def add_worker() -> Response:
+        require_worker_admin()
         url, kind = await _worker_argument()
         try:
             added = engine.add_worker(url, kind)
@@ -173,6 +197,7 @@ def admin_blueprint(engine: EngineService, state: ServerState) -> Blueprint:
 
     @bp.route("/remove_worker", methods=["POST"])
     async def remove_worker() -> Response:
+        require_worker_admin()
         url, _ = await _worker_argument()
         try:
             removed = engine.remove_worker(url)
@@ -181,6 +206,21 @@ def admin_blueprint(engine: EngineService, state: ServerState) -> Blueprint:
         return json_response(dataclasses.asdict(removed))
 
     return bp
+
+
+#: A front's worker routes without `--admin-api-key`.
+WORKER_ROUTES_OFF = (
+    "Worker management is off: this server was started without --admin-api-key. Start it "
+    "with one to list, add or remove workers at run time (with that key)."
+)
+
+
+def _bearer_is(key: str) -> bool:
+    """The request's `Authorization: Bearer` key is `key` (constant-time compare)."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), key.encode())
 
 
 async def _worker_argument() -> tuple[str, str]:
@@ -203,7 +243,10 @@ async def _worker_argument() -> tuple[str, str]:
 
 def _config_fields(config: object) -> dict[str, object]:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
+        fields = dataclasses.asdict(config)
+        # A front's workers are internal addresses: /list_workers (admin key) names them.
+        fields.pop("workers", None)
+        return fields
     return {}
 
 

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
-        help="accept SGLang custom logit processors (runs Python code that clients send)",
+        help="accept SGLang custom logit processors (runs Python code that clients send); "
+        "at a front (--worker-url), forward them to the workers instead of refusing them",
     )
     p.add_argument("--weight-version", default=http.weight_version)
     p.add_argument("--graceful-timeout", type=float, default=http.graceful_timeout)
@@ -130,11 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=http.max_request_bytes,
         help="largest request body accepted; larger ones get a 413",
     )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=http.max_logprobs,
+        help="most logprob alternatives per position (top_logprobs_num, /v1 logprobs); "
+        "more is a 400",
+    )
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     p.add_argument(
         "--admin-api-key",
         default=None,
-        help="the key that /abort_request and /flush_cache need (--api-key no longer opens them)",
+        help="the key that /abort_request and /flush_cache need (--api-key no longer opens "
+        "them); at a front, the one key that lists, adds and removes workers (without it, "
+        "worker management is off)",
     )
     p.add_argument(
         "--log-level", default=http.log_level, choices=["debug", "info", "warning", "error"]
@@ -208,6 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=remote.RemoteConfig().max_retries,
         help="retries on another worker for a request that failed before its first output",
     )
+    fleet.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=remote.RemoteConfig().worker_timeout,
+        metavar="SECONDS",
+        help="the longest a worker may stay silent once it has a request (for its answer's "
+        "headers, then between two chunks of it); past it a 504, not retried",
+    )
+    fleet.add_argument(
+        "--max-worker-answer-bytes",
+        type=int,
+        default=remote.RemoteConfig().max_answer_bytes,
+        metavar="BYTES",
+        help="largest worker answer the front holds whole (a unary chat completion); past it a 502",
+    )
     bench_cli.add_arguments(
         commands.add_parser("bench", help="benchmark a server over HTTP (see docs/benchmarks)")
     )
@@ -235,6 +260,13 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         prefix_cache_mb=args.prefix_cache_mb,
         fork_parallel_samples=not args.disable_parallel_sample_fork,
     )
+    if args.admin_api_key is not None and args.admin_api_key == args.api_key:
+        # Every holder of the API key would be an admin: abort anyone's requests, flush the
+        # cache and, at a front, add workers that then receive other users' prompts.
+        raise ValueError(
+            "--admin-api-key must differ from --api-key: with the same key every user is an "
+            "admin (aborts, cache flushes, adding and removing workers)"
+        )
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -243,6 +275,7 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         graceful_timeout=args.graceful_timeout,
         request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,
+        max_logprobs=args.max_logprobs,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
         log_level=args.log_level,
@@ -269,12 +302,21 @@ def remote_config(args: argparse.Namespace) -> remote.RemoteConfig | None:
         return None
     if args.max_retries < 0:
         raise ValueError(f"--max-retries must be at least 0, got {args.max_retries}")
+    if not args.worker_timeout > 0:
+        raise ValueError(f"--worker-timeout must be a positive number, got {args.worker_timeout}")
+    if args.max_worker_answer_bytes < 1:
+        raise ValueError(
+            f"--max-worker-answer-bytes must be at least 1, got {args.max_worker_answer_bytes}"
+        )
     return remote.RemoteConfig(
         workers=tuple(workers),
         policy=args.policy,
         served_model_name=args.served_model_name,
         max_retries=args.max_retries,
         health_check_interval=args.health_check_interval,
+        worker_timeout=args.worker_timeout,
+        max_answer_bytes=args.max_worker_answer_bytes,
+        enable_custom_logit_processor=args.enable_custom_logit_processor,
     )
 
 

@@ -9,7 +9,12 @@ model is the one it serves) and keeps its own guarantees: a worker that fails be
 answering is retried elsewhere; a client that leaves closes the upstream response (the
 worker aborts the request); `--request-timeout` / `X-Request-Timeout` end the request with
 a 408 (a stream with an error event and `[DONE]`); a worker that breaks the connection
-mid-stream ends the stream with a 502 error event and `[DONE]`.
+mid-stream ends the stream with a 502 error event and `[DONE]` (504 if it went silent for
+`--worker-timeout`). A unary answer is held whole before it is relayed, within the front's
+`--max-worker-answer-bytes` (past it, a 502); an error answer's body is cut at 1 MiB and
+its status relayed (a cut body as the message it begins with). A body with a custom logit
+processor is refused (501) unless the front was started with
+`--enable-custom-logit-processor`.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from typing import Any
 import trio
 from quart import Response
 
-from tributary.engine import EngineError
+from tributary.engine import EngineError, WorkerFailure
 
 from ..limits import Deadline, RequestTimedOut
 from ..multiplex import sse_response
+from ..output import json_response
 from ..sse import DONE, sse_event
 from .errors import InvalidRequest, openai_error_object
 from .served import ServedModel
@@ -56,8 +62,18 @@ async def relay_to_worker(
             answer = await stack.enter_async_context(passthrough)
             # The worker's answer, not the request's `stream`, says whether it streams: a
             # `"stream": 1` that SGLang or vLLM reads as true, or a JSON answer to a stream.
+            if answer.status >= 400:
+                # An error: its status decides, and its body is cut at the front's
+                # `max_error_bytes` (a cut body is relayed as the message it begins with).
+                data, cut = await answer.read_error()
+                await _close(stack)
+                if cut is not None:
+                    error = WorkerFailure(cut, status=answer.status)
+                    return json_response(openai_error_object(error), status=answer.status)
+                return Response(data, status=answer.status, content_type=answer.content_type)
             if answer.status != 200 or not answer.content_type.startswith("text/event-stream"):
-                data = b"".join([chunk async for chunk in answer.chunks])
+                # Held whole, so bounded: past the front's limit a 502, the rest unread.
+                data = await answer.read_whole()
                 await _close(stack)
                 return Response(data, status=answer.status, content_type=answer.content_type)
     except trio.TooSlowError:

@@ -3,12 +3,16 @@
 Synopsis::
 
     info = await discover_model(client, fleet.workers, timeout=2.0, base=unknown_model("m"))
-    name = await openai_model_name(client, worker.url)     # what /v1/completions must name
+    name = await openai_model_name(client, worker, timeout=5.0)  # what /v1/completions names
+
+Every answer is read within `limit` bytes and every call within `timeout` seconds: a worker
+that never answers, or answers without end, costs the front that much and no more.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -18,10 +22,13 @@ import trio
 
 from ..request import ModelInfo
 from .fleet import Worker
+from .wire import AnswerTooLarge, read_limited
 
 __all__ = [
+    "INFO_LIMIT",
     "UNKNOWN_CONTEXT",
     "UNKNOWN_VOCAB",
+    "ModelUnknown",
     "discover_model",
     "openai_model_name",
     "unknown_model",
@@ -33,6 +40,15 @@ LOGGER = logging.getLogger("tributary.engine.remote")
 #: token ids and lengths are then checked by the workers alone.
 UNKNOWN_CONTEXT = 1 << 30
 UNKNOWN_VOCAB = 1 << 31
+
+#: The most the front reads of a worker's answer about its model (`/v1/models`,
+#: `/get_model_info`, `/get_server_info`): a few KiB in practice.
+INFO_LIMIT = 1 << 20
+
+
+class ModelUnknown(Exception):
+    """A worker did not say which model it serves (no answer in time, an error, an answer
+    without a model). The message is for clients: it names no URL."""
 
 
 def unknown_model(name: str) -> ModelInfo:
@@ -64,25 +80,44 @@ async def discover_model(
         try:
             with trio.fail_after(timeout):
                 info = await _ask(client, worker)
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, trio.TooSlowError) as exc:
+        except (
+            httpx.HTTPError,
+            ValueError,
+            KeyError,
+            IndexError,
+            TypeError,
+            AttributeError,
+            AnswerTooLarge,
+            trio.TooSlowError,
+        ) as exc:
             LOGGER.log(log_level, "no model info from %s: %s", worker.url, exc)
             continue
         return dataclasses.replace(base, **{k: v for k, v in info.items() if v is not None})
     return base
 
 
-async def openai_model_name(client: httpx.AsyncClient, url: str) -> str:
-    """The model an OpenAI server serves: the first its `/v1/models` lists."""
-    response = await client.get(f"{url}/v1/models")
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
+async def openai_model_name(client: httpx.AsyncClient, worker: Worker, *, timeout: float) -> str:
+    """The model an OpenAI server serves: the first its `/v1/models` lists. `ModelUnknown`
+    unless it answers so within `timeout` seconds."""
+    try:
+        with trio.fail_after(timeout):
+            return str((await _get_json(client, f"{worker.url}/v1/models"))["data"][0]["id"])
+    except trio.TooSlowError:
+        raise ModelUnknown(f"no answer to /v1/models within {timeout:g} s") from None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AnswerTooLarge) as exc:
+        LOGGER.warning("worker %d (%s): no model from /v1/models: %r", worker.id, worker.url, exc)
+        raise ModelUnknown("no model named by its /v1/models") from None
+
+
+async def _get_json(client: httpx.AsyncClient, url: str) -> Any:
+    async with client.stream("GET", url) as response:
+        response.raise_for_status()
+        return json.loads(await read_limited(response.aiter_bytes(), INFO_LIMIT))
 
 
 async def _ask(client: httpx.AsyncClient, worker: Worker) -> dict[str, Any]:
     if worker.kind == "openai":
-        response = await client.get(f"{worker.url}/v1/models")
-        response.raise_for_status()
-        entry = response.json()["data"][0]
+        entry = (await _get_json(client, f"{worker.url}/v1/models"))["data"][0]
         length = entry.get("max_model_len")  # vLLM's
         return {
             "name": str(entry["id"]),
@@ -90,15 +125,17 @@ async def _ask(client: httpx.AsyncClient, worker: Worker) -> dict[str, Any]:
             "context_length": _int(length),
             "train_context_length": _int(length),
         }
-    response = await client.get(f"{worker.url}/get_model_info")
-    response.raise_for_status()
-    obj = response.json()
+    obj = await _get_json(client, f"{worker.url}/get_model_info")
     length = obj.get("context_length")  # Tributary's
     if not isinstance(length, int):
         # SGLang's /get_model_info has no context length; its /get_server_info has the
         # longest prompt it takes (max_req_input_len, one less than the context).
-        server = await client.get(f"{worker.url}/get_server_info")
-        longest = server.json().get("max_req_input_len") if server.is_success else None
+        try:
+            longest = (await _get_json(client, f"{worker.url}/get_server_info")).get(
+                "max_req_input_len"
+            )
+        except httpx.HTTPStatusError:
+            longest = None
         length = longest + 1 if isinstance(longest, int) else None
     return {
         "name": obj.get("served_model_name") or obj.get("model_path"),

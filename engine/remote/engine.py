@@ -15,13 +15,21 @@ the same `Frame` / `Done` / `Error` items the local engine gives, through the st
 
 Failure contract:
 
-- before the item's first output, a connection failure, a 408/429 or a 5xx (status or error
-  frame), or a 503 abort from a worker shutting down is retried on another worker after a
-  backoff, at most `max_retries` times and never past the stream's deadline; then the item
-  ends with an `Error` carrying the last failure's status (503 if no worker was available);
+- before the item's first output, a failure to connect or to send the request, a 408/429 or
+  a 5xx (status or error frame), or a 503 abort from a worker shutting down is retried on
+  another worker after a backoff, at most `max_retries` times and never past the stream's
+  deadline; then the item ends with an `Error` carrying the last failure's status (503 if
+  no worker was available);
+- once a worker has the request, a connection that drops (502), a worker silent for
+  `worker_timeout` (504) or an answer past the front's limits (502) ends the item, never a
+  retry: the worker may have died *of this request* (a grammar that crashes it), and
+  another worker would die of it too. Counted in `upstream_failures` (`/metrics`);
 - after the first output, a failure ends the item with an `Error` (502 for a broken
   connection): a retry would repeat tokens the client already has;
 - a worker's 4xx (the client's input) ends the item with that status, no retry.
+
+Client-facing messages name a worker by its number in the fleet (`Worker.id`), never by its
+URL (an internal address); the log line of each failure has both.
 
 Aborts: leaving the stream early, `abort`, `abort_all` or closing the engine cancels the
 forwarding task (which closes the upstream response) and posts `/abort_request` with the
@@ -35,7 +43,7 @@ import dataclasses
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from typing import Any
@@ -70,13 +78,31 @@ from ..request import (
 from ..service_nursery import open_service_nursery
 from ..stream import OutputSender, RequestStream, open_output_channel
 from . import openai, sglang
-from .discovery import discover_model, openai_model_name, unknown_model
-from .fleet import Attempts, Breaker, Fleet, Worker, WorkerKind
+from .discovery import ModelUnknown, discover_model, openai_model_name, unknown_model
+from .fleet import Attempts, Breaker, Fleet, Together, Worker, WorkerKind
 from .health import run_health_checks
 from .passthrough import Answer, open_passthrough
-from .wire import SSEPayloads, counts_against_worker, error_message, is_retryable_status
+from .wire import (
+    UPSTREAM_FAILURES,
+    AnswerTooLarge,
+    SendTracker,
+    SSEPayloads,
+    counts_against_worker,
+    error_message,
+    is_retryable_status,
+    lost_failure,
+    read_error_body,
+    sent_then_failed,
+    transport_failure_text,
+)
 
-__all__ = ["RemoteConfig", "RemoteEngine", "open_remote_engine"]
+__all__ = [
+    "UPSTREAM_FAILURES",
+    "RemoteConfig",
+    "RemoteEngine",
+    "RemoteWorkerStats",
+    "open_remote_engine",
+]
 
 LOGGER = logging.getLogger("tributary.engine.remote")
 
@@ -97,6 +123,27 @@ class RemoteConfig:
     health_check_interval: float = 5.0
     health_check_timeout: float = 2.0
     connect_timeout: float = 5.0
+    #: The longest a worker may stay silent once it has a request (`--worker-timeout`): for
+    #: its answer's headers (a unary answer comes whole, once generated), then between two
+    #: chunks of its body. Past it the item ends with a 504, not retried elsewhere.
+    worker_timeout: float = 600.0
+    #: How long a worker may take to name its model (an OpenAI worker's `/v1/models`, asked
+    #: before its first request); past it the request is retried on another worker.
+    info_timeout: float = 5.0
+    #: The largest answer the front holds whole (`--max-worker-answer-bytes`): a unary
+    #: answer it relays (chat completions). Past it: a 502, not retried.
+    max_answer_bytes: int = 64 << 20
+    #: The largest single event of a worker's stream the front reads (`/generate`,
+    #: `/v1/completions`): SGLang's cumulative frames hold the whole text so far. Past it: a
+    #: 502, not retried.
+    max_event_bytes: int = 16 << 20
+    #: The most of a worker's error answer the front reads; the rest is cut (the status
+    #: still decides: a 503 is retried elsewhere, a 400 is the client's).
+    max_error_bytes: int = 1 << 20
+    #: Forward `custom_logit_processor` (`/generate`, `/v1/completions`, chat relays) to the
+    #: workers (`--enable-custom-logit-processor` at the front). Off, it is refused with a
+    #: 501: a worker started with that flag runs the Python code a client sends.
+    enable_custom_logit_processor: bool = False
     #: How long the `/abort_request` a cancelled item sends its worker may take.
     abort_timeout: float = 2.0
     #: A worker's breaker opens after this many failures in a row, for this many seconds
@@ -114,8 +161,15 @@ async def open_remote_engine(config: RemoteConfig) -> AsyncIterator[RemoteEngine
     workers about the model, and yield the engine. On exit every item still in flight ends
     with a 503 abort and its worker is told to abort it; errors raised in the block reach the
     caller unwrapped."""
-    timeout = httpx.Timeout(None, connect=config.connect_timeout)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(
+        None,
+        connect=config.connect_timeout,
+        read=config.worker_timeout,
+        write=config.worker_timeout,
+    )
+    limits = httpx.Limits(
+        max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_SECONDS
+    )
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         breakers = partial(
             Breaker,
@@ -165,6 +219,23 @@ class _Item:
     cached_tokens: int = 0
     #: Trio clock when the item's first token reached the front (its `Done` carries it).
     first_token_at: float | None = None
+    #: The items of its client request (a batch, n > 1): one worker for all (`_Group`).
+    group: _Group | None = None
+    #: Whether the current try's worker has the whole request (`SendTracker`).
+    tracker: SendTracker | None = None
+
+
+class _Group(Together):
+    """The items of one client request (a batch, n > 1), as `prepare` received them: they go
+    to one worker, as SGLang's gateway sends a batch body to one worker whole, so a poison
+    batch reaches one worker, never one per item."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _GroupedRequest(GenerateRequest):
+    """A request `prepare` saw with the other items of its client request."""
+
+    group: _Group = dataclasses.field(repr=False, compare=False)
 
 
 class RemoteEngine:
@@ -184,6 +255,9 @@ class RemoteEngine:
         self._generated_tokens = 0
         self._aborted = 0
         self._info = unknown_model(config.served_model_name or "remote")
+        #: Items ended by a worker's failure after it had the request, never retried
+        #: (`UPSTREAM_FAILURES` are the reasons): `tributary:front_upstream_failures_total`.
+        self.upstream_failures = dict.fromkeys(UPSTREAM_FAILURES, 0)
 
     # -- what the app reads -------------------------------------------------------------
 
@@ -271,6 +345,17 @@ class RemoteEngine:
 
     # -- requests -------------------------------------------------------------------------
 
+    async def prepare(self, items: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+        """The workers tokenize and compile grammars; here the items of one client request
+        only learn that they belong together (`_Group`). An item submitted unprepared goes
+        on its own."""
+        group = _Group()
+        names = [f.name for f in dataclasses.fields(GenerateRequest)]
+        return [
+            _GroupedRequest(**{name: getattr(item, name) for name in names}, group=group)
+            for item in items
+        ]
+
     def submit(self, request: GenerateRequest) -> RequestStream:
         """Check what the front can check and start forwarding; see the module docstring.
         Raises BadRequest, NotSupported, DuplicateRequestId, QueueFull or EngineClosed, and
@@ -281,11 +366,8 @@ class RemoteEngine:
             raise NotSupported(
                 "Logprobs are not forwarded to remote workers yet; ask a worker directly."
             )
-        if request.custom_logit_processor:
-            raise NotSupported(
-                "Custom logit processors are not forwarded to remote workers; "
-                "send the request to a worker started with --enable-custom-logit-processor."
-            )
+        if request.custom_logit_processor and not self.config.enable_custom_logit_processor:
+            raise NotSupported(NO_CUSTOM_LOGIT_PROCESSOR)
         if request.sampling.n != 1:
             raise BadRequest(f"n={request.sampling.n}: submit one request per sample.")
         if request.input_ids is None and request.text is None:
@@ -301,7 +383,7 @@ class RemoteEngine:
             raise QueueFull("The request queue is full.")
         sender, receiver = open_output_channel(rid)
         prompt = len(request.input_ids) if request.input_ids is not None else 0
-        item = _Item(rid, request, sender, prompt_tokens=prompt)
+        item = _Item(rid, request, sender, prompt_tokens=prompt, group=_group_of(request))
         stream = RequestStream(
             rid=rid,
             prompt_tokens=prompt,
@@ -375,10 +457,12 @@ class RemoteEngine:
             scope.shield = True
             try:
                 if worker.kind == "sglang":
-                    await self._client.post(f"{worker.url}/abort_request", json={"rid": rid})
+                    url = f"{worker.url}/abort_request"
+                    async with self._client.stream("POST", url, json={"rid": rid}) as response:
+                        await read_error_body(response, _SMALL_BODY)
                 # An OpenAI server has no abort route: closing the stream is its abort.
             except httpx.HTTPError as exc:
-                LOGGER.info("abort of %s at %s failed: %s", rid, worker.url, exc)
+                LOGGER.info("abort of %s at %s failed: %r", rid, worker.url, exc)
 
     def _end(self, item: _Item, out: Output) -> None:
         item.ended = True
@@ -429,9 +513,8 @@ class RemoteEngine:
                 await self._attempts(item)
             except Exception as exc:  # a bug here must end this item, not the engine
                 LOGGER.exception("forwarding %s failed", item.rid)
-                self._deliver(
-                    item, Error(item.rid, WorkerFailure(f"{type(exc).__name__}: {exc}", status=500))
-                )
+                message = f"Internal error while forwarding the request ({type(exc).__name__})."
+                self._deliver(item, Error(item.rid, WorkerFailure(message, status=500)))
 
     async def _attempts(self, item: _Item) -> None:
         assert item.stream is not None
@@ -441,6 +524,7 @@ class RemoteEngine:
             item.request.input_ids if item.request.input_ids is not None else item.request.text,
             deadline=item.stream.deadline,
             skip_kind="openai" if openai.unsupported_fields(item.request) else None,
+            together=item.group,
         )
         failure: EngineError = WorkerFailure(
             "No worker is available to serve the request.", status=503
@@ -450,12 +534,17 @@ class RemoteEngine:
             if retry is None:
                 return
             failure = retry
+        lost = item.group.lost if item.group is not None else None
+        if isinstance(lost, EngineError):
+            failure = lost  # a sibling's worker had it and died: not tried elsewhere
         self._deliver(item, Error(item.rid, failure))
 
     async def _attempt(self, item: _Item, worker: Worker) -> EngineError | None:
         """One try on `worker`. Returns the failure if the item may be retried elsewhere;
         None once the item has ended (or was aborted, which cancels this). A worker removed
-        before the item's first output gives it up (`remove_worker` cancels the try)."""
+        before the item's first output gives it up (`remove_worker` cancels the try): it is
+        retried elsewhere if the worker did not have the whole request yet, else it ends
+        with a 503 (a request a worker had is never handed to another)."""
         with trio.CancelScope() as scope:
             item.attempt = scope
             return await self._try(item, worker)
@@ -463,12 +552,22 @@ class RemoteEngine:
             return None  # cut while reading what followed its terminal item: nothing to retry
         assert self._nursery is not None
         self._nursery.start_soon(self._post_abort, worker, item.rid)
-        return WorkerFailure(f"Worker {worker.url} was removed.", status=503)
+        if item.tracker is not None and item.tracker.sent:
+            message = (
+                f"Worker {worker.id} was removed from the fleet while it had the request; "
+                "the request is not retried on another worker."
+            )
+            self._deliver(item, Error(item.rid, WorkerFailure(message, status=503)))
+            return None
+        return WorkerFailure(f"Worker {worker.id} was removed from the fleet.", status=503)
 
     async def _try(self, item: _Item, worker: Worker) -> EngineError | None:
         item.worker = worker
         worker.in_flight += 1
         reader: sglang.GenerateStreamReader | openai.CompletionStreamReader | None = None
+        tracker = item.tracker = SendTracker()
+        status: int | None = None  # an error status whose body is being read
+        config = self.config
         try:
             if worker.kind == "openai":
                 model = await self.model_of(worker)
@@ -479,12 +578,15 @@ class RemoteEngine:
                 url = f"{worker.url}/generate"
                 body = sglang.generate_body(item.request, item.rid)
                 reader = sglang.GenerateStreamReader(item.rid)
-            async with self._client.stream("POST", url, json=body) as response:
+            stream = self._client.stream("POST", url, json=body, extensions=tracker.extensions)
+            async with stream as response:
                 if response.status_code != 200:
                     status = response.status_code
-                    message = error_message(await response.aread(), status)
-                    return self._failed(item, worker, status, message, started=False)
-                payloads = SSEPayloads()
+                    raw = await read_error_body(response, config.max_error_bytes)
+                    return self._failed(
+                        item, worker, status, error_message(raw, status), started=False
+                    )
+                payloads = SSEPayloads(config.max_event_bytes)
                 chunks = response.aiter_bytes()
                 async for chunk in chunks:
                     for payload in payloads.feed(chunk):
@@ -505,26 +607,79 @@ class RemoteEngine:
                     worker.breaker.record_success()
                     return None
             raise httpx.RemoteProtocolError("the stream ended without a terminal frame")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-            # ValueError: a frame that is not JSON; KeyError, IndexError: a /v1/models answer
-            # without a model. Either way the worker broke the exchange.
-            worker.errors_total += 1
-            worker.breaker.record_failure()
-            detail = str(exc) or type(exc).__name__
+        except (
+            httpx.HTTPError,
+            ValueError,  # a frame that is not JSON
+            KeyError,
+            IndexError,
+            AnswerTooLarge,
+            ModelUnknown,  # before the request was sent: another worker may take it
+        ) as exc:
             started = reader is not None and reader.started
-            if not started:
-                return WorkerFailure(f"Worker {worker.url} failed: {detail}", status=503)
-            self._deliver(
-                item,
-                Error(
-                    item.rid,
-                    WorkerFailure(f"Worker {worker.url} failed mid-stream: {detail}", status=502),
-                ),
+            failure, reason = self.worker_failed(
+                worker, exc, sent=tracker.sent, started=started, status=status, what=item.rid
             )
+            if reason is None:
+                return failure  # the worker never had the whole request: retried elsewhere
+            if reason != "ended":
+                assert self._nursery is not None
+                self._nursery.start_soon(self._post_abort, worker, item.rid)
+                if reason in ("dropped", "timeout") and item.group is not None:
+                    # Its siblings would be lost the same way: none goes anywhere now.
+                    item.group.lost = failure
+            self._deliver(item, Error(item.rid, failure))
             return None
         finally:
             worker.in_flight -= 1
             item.worker = None
+
+    def worker_failed(
+        self,
+        worker: Worker,
+        exc: Exception,
+        *,
+        sent: bool,
+        started: bool,
+        status: int | None = None,
+        what: str,
+    ) -> tuple[WorkerFailure, str | None]:
+        """An exchange with `worker` failed with `exc` (a transport error, an answer past
+        the limits or one the front cannot read, a model it did not name): count it against
+        the worker, log it with the worker's URL, and say what it means for the request,
+        with a message for its client that names the worker by number only.
+
+        `sent`: the worker had the whole request (`SendTracker`); `started`: its answer had
+        begun (some of it went to the client); `status`: it had answered with that error
+        status, whose body was being read. Returns the failure and a reason: None, the
+        worker never had the whole request, so another worker may take it (a retry); else
+        the request ends with this failure, never retried: `UPSTREAM_FAILURES`' reason
+        (counted in `upstream_failures`) when the worker had it and then dropped it, went
+        silent or sent too much, "ended" for any other failure after the answer began."""
+        worker.errors_total += 1
+        worker.breaker.record_failure()
+        LOGGER.warning(
+            "worker %d (%s) failed %s%s: %r",
+            worker.id,
+            worker.url,
+            what,
+            " mid-answer" if started else "",
+            exc,
+        )
+        if isinstance(exc, AnswerTooLarge) or sent_then_failed(exc, sent=sent or started):
+            reason, code, message = lost_failure(
+                worker.id,
+                exc,
+                started=started,
+                worker_timeout=self.config.worker_timeout,
+                status=status,
+            )
+            self.upstream_failures[reason] += 1
+            return WorkerFailure(message, status=code), reason
+        detail = str(exc) if isinstance(exc, ModelUnknown) else transport_failure_text(exc)
+        if started:
+            message = f"Worker {worker.id} failed mid-answer: {detail}."
+            return WorkerFailure(message, status=502), "ended"
+        return WorkerFailure(f"Worker {worker.id} failed: {detail}.", status=503), None
 
     def _take(
         self,
@@ -571,16 +726,25 @@ class RemoteEngine:
     def open_passthrough(
         self, path: str, body: dict[str, Any], *, key: str | None, deadline: float = math.inf
     ) -> AbstractAsyncContextManager[Answer]:
-        """Hand a request to one worker whole (`passthrough.open_passthrough`)."""
+        """Hand a request to one worker whole (`passthrough.open_passthrough`). A body with
+        a custom logit processor (SGLang's `custom_logit_processor`, vLLM's
+        `logits_processors`) is refused with `NotSupported` unless the front relays them."""
         if self._closed:
             raise EngineClosed("The engine is shutting down.")
+        if not self.config.enable_custom_logit_processor:
+            for field in CODE_FIELDS:
+                if body.get(field) not in (None, "", []):
+                    raise NotSupported(f"{field}: {NO_CUSTOM_LOGIT_PROCESSOR}")
         return open_passthrough(self, path, body, key=key, deadline=deadline)
 
     async def model_of(self, worker: Worker) -> str:
-        """The model name a worker's OpenAI API serves (its `/v1/models`), asked once."""
+        """The model name a worker's OpenAI API serves (its `/v1/models`), asked once;
+        `ModelUnknown` unless it answers within `info_timeout`."""
         model = self._models.get(worker.url)
         if model is None:
-            model = self._models[worker.url] = await openai_model_name(self._client, worker.url)
+            model = await openai_model_name(self._client, worker, timeout=self.config.info_timeout)
+            if not worker.removed:
+                self._models[worker.url] = model
         return model
 
 
@@ -601,19 +765,42 @@ _NO_TOKENIZER = (
 _REDISCOVER_SECONDS = 1.0
 
 #: How long the rest of a worker's body (`[DONE]`, the chunked body's end) may take to come
-#: once the item has its terminal frame.
+#: once the item has its terminal frame, and how much of it the front reads.
 _TRAILER_SECONDS = 1.0
+_TRAILER_BYTES = 64 << 10
+
+#: The most the front reads of an answer it only needs the status of (`/abort_request`).
+_SMALL_BODY = 64 << 10
+
+#: Seconds an idle keep-alive connection to a worker is kept. Below the 5 s that uvicorn
+#: (SGLang, vLLM), Hypercorn (Tributary) and llama.cpp's server keep one: the front drops
+#: an idle connection before the worker would, so a request is never sent on a connection
+#: the worker is closing at that moment (which would read as the worker dropping it).
+KEEPALIVE_SECONDS = 4.0
+
+#: Request fields that make a worker run code the client sent: SGLang's custom logit
+#: processor (a pickled callable), vLLM's logits processors (classes by qualified name).
+CODE_FIELDS = ("custom_logit_processor", "logits_processors")
+
+NO_CUSTOM_LOGIT_PROCESSOR = (
+    "This server does not forward custom logit processors to its workers (a worker that "
+    "takes them runs Python code the client sends). Start the front with "
+    "--enable-custom-logit-processor to forward them, or send the request to a worker."
+)
 
 
 async def _read_to_end(chunks: AsyncIterator[bytes]) -> None:
     """Read what follows the terminal frame so the connection goes back to the keep-alive
     pool: httpx closes a connection whose response was left unread, and every request would
     then open a new one. A worker that holds the stream open, or breaks it now, costs the
-    item nothing: its answer is already delivered."""
+    item nothing: its answer is already delivered (and at most `_TRAILER_BYTES` are read)."""
     with trio.move_on_after(_TRAILER_SECONDS):
+        read = 0
         try:
-            async for _ in chunks:
-                pass
+            async for chunk in chunks:
+                read += len(chunk)
+                if read > _TRAILER_BYTES:
+                    return
         except httpx.HTTPError:
             pass
 
@@ -623,8 +810,16 @@ def _worker_leaving(done: Done) -> bool:
     return reason.get("type") == "abort" and reason.get("status_code") == 503
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RemoteWorkerStats(WorkerStats):
+    """`WorkerStats` with the worker's number in the fleet (what client errors name)."""
+
+    id: int = 0
+
+
 def _worker_stats(worker: Worker) -> WorkerStats:
-    return WorkerStats(
+    return RemoteWorkerStats(
+        id=worker.id,
         url=worker.url,
         kind=worker.kind,
         breaker=worker.breaker.state,
@@ -635,3 +830,7 @@ def _worker_stats(worker: Worker) -> WorkerStats:
         retries_total=worker.retries_total,
         breaker_opened_total=worker.breaker.opened_total,
     )
+
+
+def _group_of(request: GenerateRequest) -> _Group:
+    return request.group if isinstance(request, _GroupedRequest) else _Group()

@@ -23,6 +23,7 @@ checks (`health.run_health_checks`) update the workers in place.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import Literal, Protocol
 from urllib.parse import urlsplit
@@ -32,7 +33,9 @@ import trio
 from .breaker import Breaker as Breaker
 from .policy import Policy, RoutingKey, make_policy
 
-__all__ = ["Breaker", "Fleet", "Worker", "WorkerKind"]
+__all__ = ["Attempts", "Breaker", "Fleet", "Together", "Worker", "WorkerKind"]
+
+LOGGER = logging.getLogger("tributary.engine.remote")
 
 #: The API a worker speaks: SGLang's native /generate (SGLang, another Tributary), or only
 #: OpenAI's /v1 (vLLM, llama.cpp's server).
@@ -44,6 +47,9 @@ class Worker:
     url: str  # base URL, normalized: no trailing slash
     kind: WorkerKind
     breaker: Breaker
+    #: The fleet's number for it (1, 2, ... in the order workers were added; never reused):
+    #: what a client's error message names, never its URL (an internal address).
+    id: int = 0
     in_flight: int = 0  # requests currently forwarded to it (the RemoteEngine counts them)
     requests_total: int = 0  # attempts sent to it
     errors_total: int = 0  # attempts that failed
@@ -91,6 +97,7 @@ class Fleet:
         self.policy = make_policy(policy, seed=seed) if isinstance(policy, str) else policy
         self._breaker_factory = breaker_factory
         self._workers: dict[str, Worker] = {}
+        self._next_id = 1
         for url, kind in workers:
             self.add(url, kind)
 
@@ -111,8 +118,10 @@ class Fleet:
             )
         if base in self._workers:
             raise ValueError(f"worker {base} is already in the fleet")
-        worker = Worker(base, kind, self._breaker_factory())
+        worker = Worker(base, kind, self._breaker_factory(), id=self._next_id)
+        self._next_id += 1
         self._workers[base] = worker
+        LOGGER.info("worker %d is %s (%s)", worker.id, base, kind)
         return worker
 
     def remove(self, url: str) -> Worker:
@@ -142,6 +151,18 @@ class Fleet:
         self.policy.record_dispatch(worker, key)
 
 
+@dataclasses.dataclass(eq=False)
+class Together:
+    """Requests that go to one worker: the items of one client request (a batch, n > 1),
+    as SGLang's gateway forwards a batch body to one worker whole. `worker` is the one the
+    first pick chose (a retry that must go elsewhere moves them all); once `lost` is set (one
+    of them was lost by a worker that had it: `dropped`, `timeout`), the others go nowhere
+    and end with it."""
+
+    worker: Worker | None = None
+    lost: Exception | None = None
+
+
 class RetryConfig(Protocol):
     """The retry settings `Attempts` reads (`RemoteConfig` has them)."""
 
@@ -161,7 +182,8 @@ class Attempts:
     another worker not tried yet, once a backoff (`retry_backoff * 2**(k-1)`, at most
     `retry_backoff_max`) has passed, at most `max_retries` times and never when the backoff
     would end past `deadline`. Each pick is counted (`requests_total`, the previous worker's
-    `retries_total`) and recorded with the policy."""
+    `retries_total`) and recorded with the policy. With `together`, the requests that share
+    it go to its worker while they can (`Together`), and nowhere once it is `lost`."""
 
     def __init__(
         self,
@@ -171,12 +193,14 @@ class Attempts:
         *,
         deadline: float,
         skip_kind: WorkerKind | None = None,
+        together: Together | None = None,
     ) -> None:
         self._fleet = fleet
         self._config = config
         self._key = key
         self._deadline = deadline
         self._skip_kind = skip_kind
+        self._together = together
         self.tried: list[Worker] = []
 
     async def next(self) -> Worker | None:
@@ -190,12 +214,25 @@ class Attempts:
             if trio.current_time() + backoff >= self._deadline:
                 return None
             await trio.sleep(backoff)
+        together = self._together
+        if together is not None and together.lost is not None:
+            return None
         exclude = list(tried)
         if self._skip_kind is not None:
             exclude += [w for w in self._fleet.workers if w.kind == self._skip_kind]
-        worker = self._fleet.choose(self._key, exclude=exclude)
+        worker = None
+        if together is not None and together.worker is not None:
+            shared = together.worker
+            # A first try follows the first pick (its half-open trial is theirs, shared); a
+            # retry follows a worker that another retry of theirs moved to, if it can.
+            if shared not in exclude and not shared.removed and (not tried or shared.available()):
+                worker = shared
         if worker is None:
-            return None
+            worker = self._fleet.choose(self._key, exclude=exclude)
+            if worker is None:
+                return None
+            if together is not None:
+                together.worker = worker
         if tried:
             tried[-1].retries_total += 1
         tried.append(worker)

@@ -28,6 +28,7 @@ import httpx
 import trio
 
 from .fleet import Fleet, Worker
+from .wire import read_error_body
 
 __all__ = ["FAILURES_TO_UNHEALTHY", "PASSES_TO_HEALTHY", "check_fleet_health", "run_health_checks"]
 
@@ -35,6 +36,9 @@ __all__ = ["FAILURES_TO_UNHEALTHY", "PASSES_TO_HEALTHY", "check_fleet_health", "
 #: healthy again (SGLang's gateway's thresholds).
 FAILURES_TO_UNHEALTHY = 3
 PASSES_TO_HEALTHY = 2
+
+#: The most of a `/health` answer's body a probe reads.
+PROBE_BODY_LIMIT = 64 << 10
 
 
 async def run_health_checks(
@@ -69,11 +73,13 @@ async def _probe(worker: Worker, client: httpx.AsyncClient, timeout: float) -> N
     ok = False
     with trio.move_on_after(timeout):
         try:
-            response = await client.get(f"{worker.url}/health")
+            async with client.stream("GET", f"{worker.url}/health") as response:
+                # The status is the verdict; the body (empty, as a rule) is read within a
+                # bound only so that the connection can be kept alive.
+                await read_error_body(response, PROBE_BODY_LIMIT)
+                ok = response.status_code == 200
         except httpx.HTTPError:
             pass
-        else:
-            ok = response.status_code == 200
     if worker.removed:
         return  # left the fleet while the probe ran: nobody reads its verdict
     if ok:

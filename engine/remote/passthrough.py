@@ -13,19 +13,26 @@ Synopsis::
         answer.status, answer.content_type     # the worker's
         async for chunk in answer.chunks: ...  # its body, as it arrives
 
-Failure contract, as for forwarded items: before the worker's answer starts, a connection
-failure, a 408/429 or a 5xx is retried on another worker (at most `max_retries` times, with
-the same backoff, never past `deadline`); then `WorkerFailure` with the last status (503 if
-no worker was available). Once an answer has started it is the client's, whatever its
-status: a worker's 4xx is relayed as is. A connection the worker breaks mid-answer raises a
-502 `WorkerFailure` from `chunks` (the caller ends its response with an error). Leaving the
-block closes the upstream response, which is how an OpenAI server learns that its client
-left (SGLang and vLLM abort the request then).
+Failure contract, as for forwarded items: before the worker has the request, a failure to
+connect or to send it, or an OpenAI worker that does not name its model, is retried on
+another worker, and so is an answer with a 408/429 or a 5xx status (at most `max_retries`
+times, with the same backoff, never past `deadline`); then `WorkerFailure` with the last
+status (503 if no worker was available). A connection that drops once the worker has the
+request (its body written whole: `wire.SendTracker`), before its answer starts, is a 502
+and a worker silent for `worker_timeout` a 504, never retried: the request may be what
+killed the worker. Once an answer has started it is
+the client's, whatever its status: a worker's 4xx is relayed as is. A connection the worker
+breaks mid-answer raises a 502 `WorkerFailure` from `chunks` (504 if it went silent; the
+caller ends its response with an error), and `read_whole` a 502 past `max_answer_bytes`;
+`read_error` reads an error answer's body cut at `max_error_bytes` (never a failure).
+Leaving the block closes the upstream response, which is how an OpenAI server learns that
+its client left (SGLang and vLLM abort the request then).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,13 +41,24 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..errors import WorkerFailure
+from .discovery import ModelUnknown
 from .fleet import Attempts, Worker
-from .wire import counts_against_worker, error_message, is_retryable_status
+from .wire import (
+    AnswerTooLarge,
+    SendTracker,
+    counts_against_worker,
+    error_message,
+    is_retryable_status,
+    read_error_body,
+    read_limited,
+)
 
 if TYPE_CHECKING:
     from .engine import RemoteEngine
 
 __all__ = ["Answer", "open_passthrough"]
+
+LOGGER = logging.getLogger("tributary.engine.remote")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +68,35 @@ class Answer:
     status: int
     content_type: str
     chunks: AsyncIterator[bytes]
-    worker: str  # the worker's URL
+    worker: str  # the worker's URL (for logs and admins, never a client's message)
+    #: The front's `max_answer_bytes` and `max_error_bytes`.
+    max_bytes: int = 64 << 20
+    max_error_bytes: int = 1 << 20
+
+    async def read_whole(self) -> bytes:
+        """The whole body, or a 502 `WorkerFailure` once it passes the front's
+        `max_answer_bytes` (the rest is never read)."""
+        chunks = self.chunks
+        if isinstance(chunks, _Chunks):
+            return await chunks.read_whole(self.max_bytes)
+        try:
+            return await read_limited(chunks, self.max_bytes)
+        except AnswerTooLarge as exc:
+            raise WorkerFailure(f"The worker's answer was given up: {exc}.", status=502) from None
+
+    async def read_error(self) -> tuple[bytes, str | None]:
+        """An error answer's body, cut at the front's `max_error_bytes` (the rest is never
+        read: the status is what counts), and None if it came whole, else the message the
+        cut body begins with (SGLang's, OpenAI's or vLLM's error shape, or its text)."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks:
+            parts.append(chunk[: self.max_error_bytes - size])
+            size += len(chunk)
+            if size > self.max_error_bytes:
+                cut = b"".join(parts)
+                return cut, error_message(cut, self.status)
+        return b"".join(parts), None
 
 
 @asynccontextmanager
@@ -64,56 +110,67 @@ async def open_passthrough(
 ) -> AsyncIterator[Answer]:
     """POST `body` (its `model` replaced by the worker's) to `path` on a worker chosen by
     the fleet's policy for `key`; yield the first answer that is not a retryable failure."""
-    attempts = Attempts(engine.fleet, engine.config, key, deadline=deadline)
+    config = engine.config
+    attempts = Attempts(engine.fleet, config, key, deadline=deadline)
     failure = WorkerFailure("No worker is available to serve the request.", status=503)
     while (worker := await attempts.next()) is not None:
         worker.in_flight += 1
         answered = False
+        tracker = SendTracker()
+        status: int | None = None  # a retryable status whose body is being read
         try:
             payload = {**body, "model": await engine.model_of(worker)}
-            async with engine.client.stream("POST", worker.url + path, json=payload) as response:
-                status = response.status_code
-                if is_retryable_status(status):
-                    message = error_message(await response.aread(), status)
-                    failure = WorkerFailure(message, status=status)
+            stream = engine.client.stream(
+                "POST", worker.url + path, json=payload, extensions=tracker.extensions
+            )
+            async with stream as response:
+                if is_retryable_status(response.status_code):
+                    status = response.status_code
+                    raw = await read_error_body(response, config.max_error_bytes)
+                    failure = WorkerFailure(error_message(raw, status), status=status)
                     worker.errors_total += 1
                     worker.breaker.record_failure()
                     continue
                 answered = True
-                chunks = _Chunks(response, worker)
+                chunks = _Chunks(response, worker, engine)
                 yield Answer(
-                    status,
+                    response.status_code,
                     response.headers.get("content-type", "application/json"),
                     chunks,
                     worker.url,
+                    max_bytes=config.max_answer_bytes,
+                    max_error_bytes=config.max_error_bytes,
                 )
                 if chunks.broken:
                     pass  # counted where it broke; a success now would reset the breaker
-                elif counts_against_worker(status):
+                elif counts_against_worker(response.status_code):
                     worker.breaker.record_failure()
                 else:
                     worker.breaker.record_success()
                 return
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        except (httpx.HTTPError, ModelUnknown) as exc:
             if answered:  # the caller's own error: not the worker's, and never a retry
                 raise
-            # ValueError, KeyError, IndexError: a /v1/models answer without a model.
-            worker.errors_total += 1
-            worker.breaker.record_failure()
-            detail = str(exc) or type(exc).__name__
-            failure = WorkerFailure(f"Worker {worker.url} failed: {detail}", status=503)
+            failure, reason = engine.worker_failed(
+                worker, exc, sent=tracker.sent, started=False, status=status, what=path
+            )
+            if reason is not None:
+                # The worker had the request: it may be what broke the worker.
+                raise failure from None
         finally:
             worker.in_flight -= 1
     raise failure
 
 
 class _Chunks:
-    """The answer's body; a connection the worker breaks is a 502 `WorkerFailure` (counted
-    against it, and `broken` set), so the caller ends its own response cleanly."""
+    """The answer's body; a connection the worker breaks is a 502 `WorkerFailure` (a silent
+    worker a 504; counted against it, and `broken` set), so the caller ends its own
+    response cleanly."""
 
-    def __init__(self, response: httpx.Response, worker: Worker) -> None:
+    def __init__(self, response: httpx.Response, worker: Worker, engine: RemoteEngine) -> None:
         self._bytes = response.aiter_bytes()
         self._worker = worker
+        self._engine = engine
         self.broken = False
 
     def __aiter__(self) -> _Chunks:
@@ -123,8 +180,17 @@ class _Chunks:
         try:
             return await self._bytes.__anext__()
         except httpx.HTTPError as exc:
-            self.broken = True
-            self._worker.errors_total += 1
-            self._worker.breaker.record_failure()
-            detail = str(exc) or type(exc).__name__
-            raise WorkerFailure(f"Worker {self._worker.url} failed mid-answer: {detail}") from None
+            raise self._broke(exc) from None
+
+    async def read_whole(self, limit: int) -> bytes:
+        try:
+            return await read_limited(self, limit)
+        except AnswerTooLarge as exc:
+            raise self._broke(exc) from None
+
+    def _broke(self, exc: Exception) -> WorkerFailure:
+        self.broken = True
+        failure, _ = self._engine.worker_failed(
+            self._worker, exc, sent=True, started=True, what="a relayed answer"
+        )
+        return failure

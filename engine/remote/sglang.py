@@ -58,6 +58,9 @@ def generate_body(request: GenerateRequest, rid: str) -> dict[str, Any]:
     else:
         body["text"] = request.text
     body["sampling_params"] = sampling_to_wire(request.sampling)
+    if request.custom_logit_processor:
+        # Only when the front forwards them (RemoteConfig.enable_custom_logit_processor).
+        body["custom_logit_processor"] = request.custom_logit_processor
     return body
 
 

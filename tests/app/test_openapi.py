@@ -65,3 +65,27 @@ async def test_a_busy_flush_cache_answers_a_documented_status(
             reply = await tributary_client.request(method.upper(), "/flush_cache")
             assert reply.status == 400
             assert "400" in doc["paths"]["/flush_cache"][method]["responses"]
+
+
+async def test_the_worker_routes_document_their_refusals_and_fields(
+    tributary_client: AppClient,
+) -> None:
+    """A front's worker routes answer 401 (no admin key sent) and 403 (worker management
+    off: no --admin-api-key), and a worker's state has its number, `id`
+    (tests/remote/test_hostile_workers.py sees them answered)."""
+    import dataclasses
+
+    from tributary.engine.remote.engine import RemoteWorkerStats
+
+    doc = (await tributary_client.get("/openapi.json")).json()
+    for path, method in (
+        ("/list_workers", "get"),
+        ("/add_worker", "post"),
+        ("/remove_worker", "post"),
+    ):
+        responses = doc["paths"][path][method]["responses"]
+        assert {"200", "401", "403"} <= set(responses), (path, sorted(responses))
+    worker = doc["paths"]["/list_workers"]["get"]["responses"]["200"]["content"]
+    items = worker["application/json"]["schema"]["properties"]["workers"]["items"]
+    fields = {f.name for f in dataclasses.fields(RemoteWorkerStats)}
+    assert fields == set(items["properties"]), fields ^ set(items["properties"])

@@ -26,6 +26,7 @@ from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engi
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0}
+ADMIN_KEY = "boss"
 
 
 @asynccontextmanager
@@ -50,7 +51,8 @@ async def open_chat_fleet(
         options = {"policy": "round_robin", "health_check_interval": 0, **remote}
         rconfig = RemoteConfig(workers=tuple((u, "sglang") for u in urls), **options)
         async with open_remote_engine(rconfig) as front:
-            async with app.open_http_server(front, testing.server_settings()) as front_urls:
+            settings = testing.server_settings(admin_api_key=ADMIN_KEY)  # for /list_workers
+            async with app.open_http_server(front, settings) as front_urls:
                 yield front_urls[0], worker.url, worker
         nursery.cancel_scope.cancel()
 
@@ -101,7 +103,8 @@ async def test_a_worker_that_cannot_answer_is_retried_and_a_workers_4xx_is_relay
                 f"{front}/v1/chat/completions", json={**CHAT, "max_tokens": 4}
             )
             assert answered.status_code == 200, answered.text
-        workers = (await client.get(f"{front}/list_workers")).json()["workers"]
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        workers = (await client.get(f"{front}/list_workers", headers=admin)).json()["workers"]
         errors = {w["url"] == live for w in workers if w["errors_total"] == 2}
         assert errors == {False}  # the dead one failed both times; the live one never
         assert [w["errors_total"] for w in workers if w["url"] == live] == [0]

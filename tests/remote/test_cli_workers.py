@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tributary.app.cli import build_parser, remote_config
+from tributary.app.cli import build_parser, configs, main, remote_config
 
 
 def fleet_of(*argv: str):  # type: ignore[no-untyped-def]
@@ -49,3 +49,36 @@ def test_a_workers_file_without_a_worker_is_refused(tmp_path: Path) -> None:
     listing.write_text("# every worker is commented out\n# http://a:1\n\n")
     with pytest.raises(ValueError, match="names no worker"):
         fleet_of("--workers-file", str(listing))
+
+
+def test_front_flags_for_silence_answer_size_and_client_code() -> None:
+    """`--worker-timeout`, `--max-worker-answer-bytes`, and `--enable-custom-logit-processor`
+    meaning, at a front, that it forwards custom logit processors (refused by default)."""
+    default = fleet_of("--worker-url", "http://a:1")
+    assert default is not None
+    assert (default.worker_timeout, default.max_answer_bytes) == (600.0, 64 << 20)
+    assert not default.enable_custom_logit_processor
+    config = fleet_of(
+        "--worker-url", "http://a:1", "--worker-timeout", "30",
+        "--max-worker-answer-bytes", "1024", "--enable-custom-logit-processor",
+    )  # fmt: skip
+    assert config is not None
+    assert (config.worker_timeout, config.max_answer_bytes) == (30.0, 1024)
+    assert config.enable_custom_logit_processor
+    for bad in (["--worker-timeout", "0"], ["--max-worker-answer-bytes", "0"]):
+        with pytest.raises(ValueError):
+            fleet_of("--worker-url", "http://a:1", *bad)
+
+
+def test_an_admin_key_equal_to_the_api_key_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Else every holder of the API key is an admin: at a front, one who adds workers that
+    then receive other users' prompts."""
+    same = ["serve", "--api-key", "k", "--admin-api-key", "k", "--worker-url", "http://a:1"]
+    with pytest.raises(ValueError, match="must differ from --api-key"):
+        configs(build_parser().parse_args(same))
+    assert main(same) == 2
+    assert "--admin-api-key must differ from --api-key" in capsys.readouterr().err
+    _, settings = configs(
+        build_parser().parse_args(["serve", "--api-key", "k", "--admin-api-key", "boss"])
+    )
+    assert (settings.api_key, settings.admin_api_key) == ("k", "boss")

@@ -172,7 +172,7 @@ async def test_workers_added_and_removed_at_run_time_need_the_admin_key() -> Non
             f"{fleet.url}/remove_worker", params={"url": second.url}, headers=boss
         )
         assert removed.status_code == 200 and removed.json()["url"] == second.url
-        listed = (await client.get(f"{fleet.url}/list_workers")).json()["workers"]
+        listed = (await client.get(f"{fleet.url}/list_workers", headers=boss)).json()["workers"]
         assert [w["url"] for w in listed] == [first.url]
         before = second.engine.stats().generated_tokens
         for _ in range(4):
@@ -193,10 +193,11 @@ async def test_workers_added_and_removed_at_run_time_need_the_admin_key() -> Non
             await generate(client, fleet.url, {"text": "x", "sampling_params": greedy(2)})
         assert second.engine.stats().generated_tokens > before
         metrics = (await client.get(f"{fleet.url}/metrics")).text
-        assert f'tributary:worker_requests_total{{worker="{second.url}"}}' in metrics
-        assert (
-            f'tributary:worker_breaker_state{{state="closed",worker="{first.url}"}} 1.0' in metrics
-        )
+        # Labelled by number (added again, the second worker is worker 3), never by URL.
+        assert added.json()["id"] == 3
+        assert 'tributary:worker_requests_total{worker="3"}' in metrics
+        assert 'tributary:worker_breaker_state{state="closed",worker="1"} 1.0' in metrics
+        assert first.url not in metrics and second.url not in metrics
 
 
 @pytest.mark.parametrize("field", ["json_schema", "stop_regex"])
