@@ -22,6 +22,7 @@ from .errors import ContextLengthExceeded as ContextLengthExceeded
 from .errors import DuplicateRequestId as DuplicateRequestId
 from .errors import EngineClosed as EngineClosed
 from .errors import EngineError as EngineError
+from .errors import GrammarCompilerBusy as GrammarCompilerBusy
 from .errors import InvalidSamplingParams as InvalidSamplingParams
 from .errors import NotSupported as NotSupported
 from .errors import QueueFull as QueueFull

@@ -8,6 +8,7 @@ The hierarchy::
     │   ├── ContextLengthExceeded    400  prompt (+ max_new_tokens) does not fit the context
     │   └── DuplicateRequestId       400  a request with this rid is in flight
     ├── QueueFull                    503  the waiting queue is at --max-queued-requests
+    │   └── GrammarCompilerBusy      503  no grammar checker or compile thread free in time
     ├── EngineClosed                 503  the engine is shutting down or not started
     ├── RunnerFailure                500  the model runner raised during a step
     ├── RequestTruncated             500  the output channel closed before a terminal item
@@ -27,6 +28,7 @@ __all__ = [
     "DuplicateRequestId",
     "EngineClosed",
     "EngineError",
+    "GrammarCompilerBusy",
     "InvalidSamplingParams",
     "NotSupported",
     "QueueFull",
@@ -71,6 +73,13 @@ class QueueFull(EngineError):
     err_type = "queue_full"
     #: Seconds a client should wait before retrying (sent as Retry-After).
     retry_after = 1
+
+
+class GrammarCompilerBusy(QueueFull):
+    """No grammar checker or compile thread was free in time: a 503 with Retry-After, as a
+    full queue (engine/grammar_guard.py)."""
+
+    err_type = "grammar_compiler_busy"
 
 
 class EngineClosed(EngineError):

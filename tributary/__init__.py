@@ -35,6 +35,7 @@ from tributary.engine import Error as Error
 from tributary.engine import FinishReason as FinishReason
 from tributary.engine import Frame as Frame
 from tributary.engine import GenerateRequest as GenerateRequest
+from tributary.engine import GrammarCompilerBusy as GrammarCompilerBusy
 from tributary.engine import InvalidSamplingParams as InvalidSamplingParams
 from tributary.engine import LogprobRequest as LogprobRequest
 from tributary.engine import Logprobs as Logprobs
