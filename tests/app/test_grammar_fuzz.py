@@ -15,7 +15,7 @@ A second test does the same, with fewer examples, through a front (`--worker-url
 worker subprocesses, and checks that both workers are alive afterwards.
 
 Examples are derandomized (the same every run). TRIBUTARY_GRAMMAR_FUZZ_EXAMPLES sets how many
-per field (250 by default: 1,250 in all, plus 155 through the front); docs/reliability.md
+per field (400 by default: 2,000 in all, plus 250 through the front); docs/reliability.md
 records longer runs. Requests ask for 1-2 tokens, so a 200 is cheap.
 """
 
@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.model
 
-EXAMPLES = int(os.environ.get("TRIBUTARY_GRAMMAR_FUZZ_EXAMPLES", "250"))
+EXAMPLES = int(os.environ.get("TRIBUTARY_GRAMMAR_FUZZ_EXAMPLES", "400"))
 #: Seconds any answer may take: a refusal takes milliseconds, one by the checker process at
 #: most its CHECK_TIMEOUT (5 s), a compile within the bounds well under a second, a 1-token
 #: generation tens of ms (generous for a loaded machine).
