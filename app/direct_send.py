@@ -47,16 +47,23 @@ goes back to the body's task, which sends it through the usual path.
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import h11
 import trio
-from hypercorn.events import Event, RawData
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.http_stream import HTTPStream
-from hypercorn.trio.tcp_server import TCPServer
+
+try:  # Hypercorn's internals: a release that moved them still serves, without this path
+    from hypercorn.events import Event, RawData
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.protocol.http_stream import HTTPStream
+    from hypercorn.trio.tcp_server import TCPServer
+except ImportError:
+    _INTERNALS = False
+else:
+    _INTERNALS = True
 
 __all__ = [
     "H11_VERSIONS",
@@ -86,7 +93,7 @@ def _supported() -> bool:
         installed = version("hypercorn")
     except PackageNotFoundError:
         return False
-    return os.name == "posix" and installed.startswith(HYPERCORN_VERSIONS)
+    return _INTERNALS and os.name == "posix" and installed.startswith(HYPERCORN_VERSIONS)
 
 
 def _h11_supported() -> bool:
@@ -101,9 +108,18 @@ H11_SUPPORTED = _h11_supported()
 SUPPORTED = _supported()
 
 
+logger = logging.getLogger("tributary.app")
+
+
 class DirectSend:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        if not SUPPORTED and os.name == "posix":
+            logger.warning(
+                "The fast write path is off: it supports Hypercorn %s on POSIX, not the "
+                "Hypercorn installed here; responses take Hypercorn's usual path.",
+                " / ".join(f"{v}x" for v in HYPERCORN_VERSIONS),
+            )
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         protocol = h11_protocol(send) if scope["type"] == "http" else None

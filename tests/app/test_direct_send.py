@@ -309,3 +309,40 @@ async def test_the_connection_gets_its_own_send_back_after_each_exchange(
         while isinstance(protocols[0].send, direct_send.DirectWriter):
             await trio.sleep(0.01)  # the handler's last moments follow the response
     assert protocols[0].send.__func__ is TCPServer.protocol_send
+
+
+#: A Hypercorn whose internals moved: the modules DirectSend reaches into cannot be imported.
+MOVED_INTERNALS = """
+import logging
+import hypercorn.protocol.http_stream, hypercorn.trio.tcp_server
+del hypercorn.protocol.http_stream.HTTPStream  # "from ... import HTTPStream" now fails
+del hypercorn.trio.tcp_server.TCPServer
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+import trio
+from tributary.app import ServerSettings, create_app
+from tributary.app import direct_send
+from tributary.engine import EngineConfig, open_engine
+
+async def main():
+    config = EngineConfig(runner="sim", context_length=256)
+    async with open_engine(config) as engine:
+        client = create_app(engine, ServerSettings()).test_client()
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+        response = await client.post("/generate", json=body)
+        print("status", response.status_code, "supported", direct_send.SUPPORTED)
+
+trio.run(main)
+"""
+
+
+def test_a_hypercorn_that_moved_its_internals_still_imports_and_serves_with_a_warning() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", MOVED_INTERNALS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "status 200 supported False" in done.stdout
+    warnings = [line for line in done.stderr.splitlines() if "fast write path is off" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING"), done.stderr[-2000:]
