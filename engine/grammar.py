@@ -65,7 +65,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .errors import BadRequest, GrammarCompilerBusy
 from .grammar_bounds import ebnf_problem, json_schema_problem, regex_problem
-from .grammar_guard import BUSY_TIMEOUT, check_grammar
+from .grammar_guard import BUSY_TIMEOUT, LEXER_FUEL, STACK_BYTES, check_grammar
 
 __all__ = [
     "BUSY_TIMEOUT",
@@ -121,7 +121,7 @@ class LlgMatcher:
 
 #: Stack of each compile thread. Virtual: a compile touches what it uses (a typical schema a
 #: few hundred KB); 256 MiB is 10 times what the deepest compile the bounds allow needed.
-COMPILE_STACK_BYTES = 256 << 20
+COMPILE_STACK_BYTES = STACK_BYTES
 #: Compile threads (compiles run in parallel up to this; more wait their turn).
 COMPILE_THREADS = 2
 #: Seconds a caller waits for its grammar to compile, once a compile thread has taken it (the
@@ -131,7 +131,7 @@ COMPILE_TIMEOUT = 10.0
 #: mask is computed. At 200,000 the lexer bombs measured (`a{1000000}`, `(a{1000}){1000}`, a
 #: 1 MB literal) fail in 0.1-0.5 s instead of 1.4-3.7 s, and every real grammar measured
 #: (OpenAI-sized schemas of 5,000 properties, 1,000-value enums, `[a-z]{1000}`) still compiles.
-INITIAL_LEXER_FUEL = 200_000
+INITIAL_LEXER_FUEL = LEXER_FUEL
 
 
 class Grammars:

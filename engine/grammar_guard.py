@@ -79,9 +79,11 @@ CHILD_CPU_SECONDS = 30
 CACHE_SIZE = 256
 #: Seconds a child may take to start and say it is ready.
 START_TIMEOUT = 30.0
-#: Stack of the child's checking thread (virtual; as the compile threads').
+#: Stack of the child's checking thread, and of the server's compile threads
+#: (engine/grammar.py's COMPILE_STACK_BYTES, which explains the size). Virtual memory.
 STACK_BYTES = 256 << 20
-#: llguidance's initial lexer fuel (engine/grammar.py's INITIAL_LEXER_FUEL).
+#: llguidance's initial lexer fuel, here and in the server's compile (engine/grammar.py's
+#: INITIAL_LEXER_FUEL, which explains the value).
 LEXER_FUEL = 200_000
 
 #: What the child runs (`python -c`): length-prefixed JSON in on stdin, out on stdout. It
