@@ -585,20 +585,8 @@ async def test_errors_of_unreachable_and_removed_workers_name_no_url() -> None:
         dead = f"http://127.0.0.1:{_free_port()}"
         front.engine.add_worker(dead)
         front.engine.remove_worker(front.real.url)
-        async with trio.open_nursery() as nursery:
-
-            async def held() -> None:  # on the silent worker, until it is removed
-                answer = await client.post(f"{front.url}/generate", json=BODY)
-                results.append(answer)
-
-            results: list[httpx.Response] = []
-            nursery.start_soon(held)
-            with trio.fail_after(5):
-                while not front.raw.seen:
-                    await trio.sleep(0.01)
-            front.engine.remove_worker(front.raw.url)
         # Removed while it had the request, before answering: a 503, not passed on.
-        (answer,) = results
+        answer = await removed_while_held(front, client)
         assert answer.status_code == 503, answer.text
         assert_names_no_worker(answer.text, front.raw.url, front.real.url, dead)
         refused = await client.post(f"{front.url}/v1/completions", json={"prompt": "x"})
@@ -759,23 +747,29 @@ async def test_a_sibling_of_a_lost_item_is_not_sent_elsewhere() -> None:
 # -- a removed worker that had the request: not passed on ---------------------------------
 
 
+async def removed_while_held(front: Front, client: httpx.AsyncClient) -> httpx.Response:
+    """The answer to a /generate that the front's silent worker had when it was removed."""
+    results: list[httpx.Response] = []
+
+    async def held() -> None:
+        results.append(await client.post(f"{front.url}/generate", json=BODY))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(held)
+        with trio.fail_after(10):
+            while not front.raw.seen:
+                await trio.sleep(0.01)
+        front.engine.remove_worker(front.raw.url)
+    (answer,) = results
+    return answer
+
+
 async def test_a_request_a_removed_worker_had_is_not_passed_on() -> None:
     async with (
         front_over(RawWorker("silent"), worker_timeout=30) as front,
         httpx.AsyncClient(timeout=30) as client,
     ):
-        results: list[httpx.Response] = []
-
-        async def held() -> None:
-            results.append(await client.post(f"{front.url}/generate", json=BODY))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(held)
-            with trio.fail_after(10):
-                while not front.raw.seen:
-                    await trio.sleep(0.01)
-            front.engine.remove_worker(front.raw.url)
-        (answer,) = results
+        answer = await removed_while_held(front, client)
         assert answer.status_code == 503, answer.text
         message = answer.json()["error"]["message"]
         assert "Worker 1 was removed from the fleet while it had the request" in message
