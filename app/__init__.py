@@ -1,5 +1,5 @@
-"""Tributary's HTTP front end: SGLang's native `/generate` API on Quart-Trio and Hypercorn.
-Import names from here, not from the modules.
+"""Tributary's HTTP front end: SGLang's native `/generate` API and OpenAI's `/v1` on Quart-Trio
+and Hypercorn. Import names from here, not from the modules.
 
 Synopsis::
 
@@ -12,11 +12,8 @@ Synopsis::
 `tributary serve` (`tributary.app.cli:main`) does the same from the command line.
 """
 
-from .generate import drain_batch as drain_batch
-from .generate import drain_unary as drain_unary
 from .heap import settle_heap as settle_heap
-from .normalize import NormalizedGenerate as NormalizedGenerate
-from .normalize import normalize_generate as normalize_generate
+from .observe.timing import RequestTiming as RequestTiming
 from .routes import create_app as create_app
 from .server import ServerConfig as ServerConfig
 from .server import open_http_server as open_http_server
@@ -24,4 +21,3 @@ from .server import serve as serve
 from .settings import ServerSettings as ServerSettings
 from .state import ServerState as ServerState
 from .state import server_state as server_state
-from .timing import RequestTiming as RequestTiming

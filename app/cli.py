@@ -21,9 +21,9 @@ from tributary import engine
 from tributary.bench import cli as bench_cli
 from tributary.engine import remote
 
-from .exchange import JsonFormatter
 from .heap import GEN0_THRESHOLD, settle_heap
 from .loading import bound_port, serve_until_loaded
+from .observe.exchange import JsonFormatter
 from .server import open_http_server
 from .settings import ServerSettings
 

@@ -5,12 +5,15 @@ Synopsis::
     doc = openapi_document(version="0.1.0")
     doc["paths"]["/generate"]["post"]["requestBody"]
 
-One hand-written source, checked two ways: `tests/app/test_openapi.py` compares its paths and
-methods with the app's own `url_map` (a route added without a description, or a description
-left behind by a removed route, fails), and `tests/app/test_schemathesis.py` runs
-schemathesis against a live server with it (no 5xx; statuses, content types and bodies as
-documented). docs/api.md stays the prose reference; field rules that depend on the model
-(vocabulary, context length) are stated there, not here.
+The request bodies' schemas are generated from their declarations (app/sglang/protocol.py,
+app/openai/models.py, app/chat/messages.py, engine.SamplingParamsBody), the same Structs the
+server converts bodies through; paths, responses and errors are written here. Checked three
+ways: `tests/app/test_openapi.py` compares its paths and methods with the app's own `url_map`
+(a route added without a description, or a description left behind by a removed route, fails),
+`tests/app/test_wire_fields.py` compares the request fields with the declarations and
+docs/api.md, and `tests/app/test_schemathesis.py` runs schemathesis against a live server with
+it (no 5xx; statuses, content types and bodies as documented). docs/api.md stays the prose
+reference; field rules that depend on the model (vocabulary, context length) are stated there.
 """
 
 from __future__ import annotations
@@ -19,16 +22,12 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from tributary.engine.sampling import (
-    MAX_STOP_CHARS,
-    MAX_STOP_COUNT,
-    MAX_STOP_REGEX_BYTES,
-    MAX_STOP_REGEX_COUNT,
-    MAX_STOP_TOKEN_IDS,
-)
+from tributary.engine.wire import request_schemas
 
-from .normalize import MAX_RID_LENGTH, MAX_TOKEN_IDS_LOGPROB
-from .output import json_response
+from .chat.messages import ChatMessage
+from .http.responses import json_response
+from .openai.models import SCHEMAS as OPENAI_SCHEMAS
+from .sglang.protocol import SCHEMAS as SGLANG_SCHEMAS
 
 __all__ = ["openapi_blueprint", "openapi_document"]
 
@@ -48,32 +47,8 @@ _NUM: Schema = {"type": "number"}
 _BOOL: Schema = {"type": "boolean"}
 _STR: Schema = {"type": "string"}
 _COUNT: Schema = {"type": "integer", "minimum": 0}
-_POSITIVE: Schema = {"type": "integer", "minimum": 1}
-_PENALTY: Schema = {"type": "number", "minimum": -2, "maximum": 2}
 #: Token ids; the upper bound is the model's vocabulary size (/get_model_info).
 _IDS: Schema = {"type": "array", "items": _COUNT}
-_PROMPT_IDS: Schema = {"type": "array", "items": _COUNT, "minItems": 1}
-_STRS: Schema = {"type": "array", "items": _STR}
-_STR_OR_STRS: Schema = {"anyOf": [_STR, _STRS]}
-#: The per-request bounds (docs/api.md; engine/sampling.py, app/normalize.py).
-_STOPS: Schema = {
-    "anyOf": [
-        {"type": "string", "maxLength": MAX_STOP_CHARS},
-        {
-            "type": "array",
-            "items": {"type": "string", "maxLength": MAX_STOP_CHARS},
-            "maxItems": MAX_STOP_COUNT,
-        },
-    ]
-}
-_STOP_REGEXES: Schema = {
-    "anyOf": [_STR, {"type": "array", "items": _STR, "maxItems": MAX_STOP_REGEX_COUNT}],
-    "description": f"At most {MAX_STOP_REGEX_COUNT} patterns, each at most "
-    f"{MAX_STOP_REGEX_BYTES} bytes of UTF-8.",
-}
-_STOP_IDS: Schema = {**_IDS, "maxItems": MAX_STOP_TOKEN_IDS}
-_RID: Schema = {"type": "string", "maxLength": MAX_RID_LENGTH}
-_LOGPROB_IDS: Schema = {**_IDS, "maxItems": MAX_TOKEN_IDS_LOGPROB, "uniqueItems": True}
 
 
 def _json(schema: Schema) -> dict[str, Any]:
@@ -105,69 +80,6 @@ def _errors(error: str, *statuses: int) -> dict[str, Any]:
 def _text(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"text/plain": {"schema": _STR}}}
 
-
-_SAMPLING_PARAMS: Schema = {
-    "type": ["object", "null"],
-    "description": "SGLang's SamplingParams; an unknown key is a 400 (docs/api.md).",
-    "properties": {
-        "max_new_tokens": _nullable(_COUNT),
-        "min_new_tokens": _COUNT,
-        "temperature": {"type": "number", "minimum": 0},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]},
-        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "frequency_penalty": _PENALTY,
-        "presence_penalty": _PENALTY,
-        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
-        "stop": _nullable(_STOPS),
-        "stop_token_ids": _nullable(_STOP_IDS),
-        "stop_regex": _nullable(_STOP_REGEXES),
-        "ignore_eos": _BOOL,
-        "skip_special_tokens": _BOOL,
-        "spaces_between_special_tokens": _BOOL,
-        "no_stop_trim": _BOOL,
-        "n": _POSITIVE,
-        "stream_interval": _nullable(_POSITIVE),
-        "logit_bias": _nullable({"type": "object", "additionalProperties": _NUM}),
-        "sampling_seed": _nullable(_INT),
-        "custom_params": _nullable({"type": "object"}),
-        "regex": _nullable(_STR),
-        "json_schema": _nullable(_STR),
-        "ebnf": _nullable(_STR),
-        "structural_tag": _nullable(_STR),
-    },
-    "additionalProperties": False,
-}
-
-
-def _per_prompt(schema: Schema) -> Schema:
-    """A value for every prompt, or for a batch a list with one per prompt; null: default."""
-    return {"anyOf": [schema, {"type": "array", "items": _nullable(schema)}, {"type": "null"}]}
-
-
-_GENERATE_REQUEST: Schema = {
-    "type": "object",
-    "description": "SGLang's GenerateReqInput.",
-    "anyOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
-    "properties": {
-        "text": _STR_OR_STRS,
-        "input_ids": {"anyOf": [_PROMPT_IDS, {"type": "array", "items": _PROMPT_IDS}]},
-        "sampling_params": {"anyOf": [_ref("SamplingParams"), {"type": "array", "items": {}}]},
-        "stream": _nullable(_BOOL),
-        "rid": _nullable({"anyOf": [_RID, {"type": "array", "items": _RID}]}),
-        "return_logprob": _per_prompt(_BOOL),
-        "logprob_start_len": _per_prompt(_INT),
-        "top_logprobs_num": {
-            **_per_prompt(_INT),
-            "description": "At most the server's --max-logprobs (20 by default).",
-        },
-        "token_ids_logprob": {
-            "anyOf": [_LOGPROB_IDS, {"type": "array", "items": _LOGPROB_IDS}, {"type": "null"}]
-        },
-        "return_text_in_logprobs": _nullable(_BOOL),
-        "custom_logit_processor": _per_prompt(_STR),
-    },
-}
 
 _META_INFO: Schema = {
     "type": "object",
@@ -234,100 +146,6 @@ _OPENAI_ERROR: Schema = {
     },
 }
 
-_SAMPLING = _SAMPLING_PARAMS["properties"]
-
-_OPENAI_COMMON: dict[str, Schema] = {
-    "model": _nullable(_STR),
-    "max_tokens": _nullable(_COUNT),
-    "n": _nullable(_POSITIVE),
-    **{
-        key: _nullable(_SAMPLING[key])
-        for key in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        )
-    },
-    "stop": _nullable(_STOPS),
-    "stop_token_ids": _nullable(_STOP_IDS),
-    "stop_regex": _nullable(_STOP_REGEXES),
-    "logit_bias": _nullable({"type": "object", "additionalProperties": _NUM}),
-    "seed": _nullable(_INT),
-    "min_tokens": _nullable(_COUNT),
-    "ignore_eos": _nullable(_BOOL),
-    "skip_special_tokens": _nullable(_BOOL),
-    "spaces_between_special_tokens": _nullable(_BOOL),
-    "no_stop_trim": _nullable(_BOOL),
-    "regex": _nullable(_STR),
-    "ebnf": _nullable(_STR),
-    "json_schema": _nullable(_STR),
-    "response_format": _nullable({"type": "object", "required": ["type"]}),
-    "stream": _nullable(_BOOL),
-    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
-    "user": _nullable(_STR),
-    "rid": _nullable(_RID),
-    "custom_params": _nullable({"type": "object"}),
-    "custom_logit_processor": _nullable(_STR),
-}
-
-#: OpenAI's bound on alternatives per position.
-_TOP_LOGPROBS: Schema = {"type": "integer", "minimum": 0, "maximum": 20}
-
-_COMPLETION_REQUEST: Schema = {
-    "type": "object",
-    "required": ["prompt"],
-    "properties": {
-        **_OPENAI_COMMON,
-        "prompt": {
-            "anyOf": [_STR, _STRS, _PROMPT_IDS, {"type": "array", "items": _PROMPT_IDS}],
-        },
-        "echo": _nullable(_BOOL),
-        "logprobs": _nullable(_TOP_LOGPROBS),
-        "suffix": _nullable(_STR),
-        "best_of": _nullable(_INT),
-    },
-}
-
-_MESSAGE: Schema = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"enum": ["system", "user", "assistant"]},
-        "content": {
-            "anyOf": [
-                _STR,
-                {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["type", "text"],
-                        "properties": {"type": {"const": "text"}, "text": _STR},
-                    },
-                },
-            ]
-        },
-        "name": _STR,
-    },
-}
-
-_MESSAGES: Schema = {"type": "array", "items": _ref("ChatMessage")}
-
-_CHAT_REQUEST: Schema = {
-    "type": "object",
-    "required": ["messages"],
-    "properties": {
-        **_OPENAI_COMMON,
-        "messages": _MESSAGES,
-        "max_completion_tokens": _nullable(_COUNT),
-        "logprobs": _nullable(_BOOL),
-        "top_logprobs": _nullable(_TOP_LOGPROBS),
-    },
-}
-
 _USAGE: Schema = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -364,34 +182,6 @@ _MODEL_CARD: Schema = {
     "required": ["id", "object", "owned_by", "max_model_len"],
     "properties": {"id": _STR, "object": {"const": "model"}, "max_model_len": _INT},
 }
-
-_TOKENIZE_REQUEST: Schema = {
-    "type": "object",
-    "description": "Exactly one of prompt and messages.",
-    "properties": {
-        "prompt": _STR_OR_STRS,
-        "messages": _MESSAGES,
-        "add_special_tokens": _nullable(_BOOL),
-        "add_generation_prompt": _nullable(_BOOL),
-        "model": _nullable(_STR),
-    },
-}
-
-_DETOKENIZE_REQUEST: Schema = {
-    "type": "object",
-    "required": ["tokens"],
-    "properties": {
-        "tokens": {"anyOf": [_IDS, {"type": "array", "items": _IDS}]},
-        "skip_special_tokens": _nullable(_BOOL),
-        "model": _nullable(_STR),
-    },
-}
-
-_ABORT_REQUEST: Schema = {
-    "type": "object",
-    "properties": {"rid": _nullable(_STR), "abort_all": _BOOL},
-}
-
 
 _WORKER_REQUEST: Schema = {
     "type": "object",
@@ -630,6 +420,39 @@ def _paths() -> dict[str, Any]:
     }
 
 
+# What the declarations leave to the semantic layer (a missing prompt is worded there, so the
+# fields are optional in the Structs), stated for the document's reader.
+_REQUIRED: dict[str, Schema] = {
+    "GenerateRequest": {"anyOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
+    "CompletionRequest": {"required": ["prompt"]},
+    "ChatCompletionRequest": {"required": ["messages"]},
+    "DetokenizeRequest": {"required": ["tokens"]},
+}
+
+
+def _request_schemas() -> dict[str, Schema]:
+    """Every request body's schema, generated from its declaration."""
+    schemas = request_schemas({**SGLANG_SCHEMAS, **OPENAI_SCHEMAS, "ChatMessage": ChatMessage})
+    for schema in schemas.values():
+        _drop_empty_required(schema)
+    for name, extra in _REQUIRED.items():
+        schemas[name].update(extra)
+    return schemas
+
+
+def _drop_empty_required(schema: Any) -> None:
+    """msgspec writes `"required": []` for a Struct whose fields all have defaults; it says
+    nothing (and the document never had it), so it goes, at any depth."""
+    if isinstance(schema, dict):
+        if schema.get("required") == []:
+            del schema["required"]
+        for value in schema.values():
+            _drop_empty_required(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _drop_empty_required(value)
+
+
 def openapi_document(*, version: str) -> dict[str, Any]:
     """The whole document; `version` is Tributary's."""
     return {
@@ -642,21 +465,14 @@ def openapi_document(*, version: str) -> dict[str, Any]:
         "paths": _paths(),
         "components": {
             "schemas": {
-                "SamplingParams": _SAMPLING_PARAMS,
-                "GenerateRequest": _GENERATE_REQUEST,
+                **_request_schemas(),
                 "GenerateOutput": _GENERATE_OUTPUT,
                 "Error": _ERROR,
                 "SGLangErrorResponse": _SGLANG_ERROR_RESPONSE,
                 "OpenAIError": _OPENAI_ERROR,
-                "CompletionRequest": _COMPLETION_REQUEST,
-                "ChatCompletionRequest": _CHAT_REQUEST,
-                "ChatMessage": _MESSAGE,
                 "Completion": _COMPLETION,
                 "ChatCompletion": _CHAT_COMPLETION,
                 "Model": _MODEL_CARD,
-                "TokenizeRequest": _TOKENIZE_REQUEST,
-                "DetokenizeRequest": _DETOKENIZE_REQUEST,
-                "AbortRequest": _ABORT_REQUEST,
                 "WorkerRequest": _WORKER_REQUEST,
             },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -5,8 +5,8 @@ Synopsis::
     app = create_app(eng, ServerSettings(port=0))
     async with open_http_server(app, settings) as urls: ...     # or app.test_client()
 
-Routes (docs/api.md has the wire details): `/generate` (POST, PUT) here; the endpoints around
-it in `admin.py`; OpenAI's `/v1` in `openai/`; `/openapi.json`, describing them all, in
+Routes (docs/api.md has the wire details): SGLang's native API (`/generate` and the endpoints
+around it) in `sglang/`; OpenAI's `/v1` in `openai/`; `/openapi.json`, describing them all, in
 `openapi.py`.
 
 Error handling: a handler raises `engine.EngineError` (or a subclass) for anything wrong with
@@ -22,30 +22,28 @@ import logging
 
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
 from tributary.engine import EngineClosed, EngineError, EngineService
 
-from .admin import ADMIN_PATHS, _bearer_is, admin_blueprint, version
-from .asgi import (
+from .http.asgi import (
     CloseOwned,
     RefuseAmbiguousLength,
     RefuseWebSockets,
     ShieldFinalSend,
-    owned_by_request,
 )
-from .direct_send import DirectSend
-from .errors import engine_error_response, error_response
-from .exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
-from .generate import handle_generate
-from .metrics import Metrics
-from .normalize import read_within_deadline
+from .http.auth import bearer_is
+from .http.direct_send import DirectSend
+from .http.errors import Unauthorized, install_error_handlers
+from .observe.exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
+from .observe.metrics import Metrics
 from .openai import openai_blueprint
-from .openai.errors import StatusError, Unauthorized, openai_error_response
+from .openai.errors import openai_error_response
 from .openapi import openapi_blueprint
 from .settings import ServerSettings
+from .sglang import add_sglang_routes
+from .sglang.admin import ADMIN_PATHS, version
+from .sglang.errors import engine_error_response
 from .state import ServerState
-from .tokenize import tokenize_blueprint
 
 __all__ = ["create_app"]
 
@@ -59,16 +57,16 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
     app = QuartTrio("tributary", static_folder=None)
     # Streams disable the timeout per response too; unary generations can be long as well.
     app.config["RESPONSE_TIMEOUT"] = None
-    # Checked as the body arrives, before it is buffered whole (limits.py).
+    # Checked as the body arrives, before it is buffered whole (http/limits.py).
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     state = ServerState(engine, settings)
     if settings.enable_metrics:
         model_name = engine.config.served_model_name or engine.model_info.name
-        state.metrics = Metrics(engine, model_name=model_name)
+        state.metrics = Metrics(engine, model_name=model_name, fleet=state.capabilities.fleet)
     state.attach(app)
     # Outermost, DirectSend makes Hypercorn's socket writes skip its lock and send_all when
-    # the socket takes them at once (app/direct_send.py). WebSocket upgrades and requests
-    # with both Content-Length and Transfer-Encoding are refused before Quart (asgi.py).
+    # the socket takes them at once (app/http/direct_send.py). WebSocket upgrades and requests
+    # with both Content-Length and Transfer-Encoding are refused before Quart (http/asgi.py).
     app.asgi_app = DirectSend(  # type: ignore[method-assign, assignment]
         RefuseWebSockets(
             ObserveExchanges(
@@ -78,9 +76,8 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
             )
         )
     )
-    app.register_blueprint(admin_blueprint(engine, state))
-    app.register_blueprint(openai_blueprint(engine, settings))
-    app.register_blueprint(tokenize_blueprint(engine))
+    add_sglang_routes(app, engine, state)
+    app.register_blueprint(openai_blueprint(engine, settings, state.capabilities))
     app.register_blueprint(openapi_blueprint(version()))
 
     api_key = settings.api_key.encode() if settings.api_key else None
@@ -113,42 +110,22 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
         elif api_key is not None and not _bearer_matches([api_key, admin_key]):
             raise Unauthorized()
 
-    @app.route("/generate", methods=["POST", "PUT"])
-    async def generate() -> Response:
-        body, deadline = await read_within_deadline(settings)
-        return await handle_generate(
-            engine,
-            settings,
-            body,
-            owned_by_request(request.scope),
-            exchange_of(request.scope),
-            deadline=deadline,
-        )
-
     # Errors of requests that no blueprint routed (unknown /v1 paths, wrong methods, a missing
     # API key there) reach these app-level handlers: under /v1 they answer in OpenAI's error
-    # shape, elsewhere in SGLang's.
-    @app.errorhandler(EngineError)
-    async def on_engine_error(error: EngineError) -> Response:
-        if request.path.startswith("/v1/"):
-            return openai_error_response(error)
-        return engine_error_response(error)
-
-    @app.errorhandler(HTTPException)
-    async def on_http_error(error: HTTPException) -> Response:
-        return await on_engine_error(
-            StatusError(error.code or 500, error.description or error.name)
-        )
-
-    @app.errorhandler(Exception)
-    async def on_unexpected(error: Exception) -> Response:
-        LOGGER.exception("unhandled error in %s %s", request.method, request.path, exc_info=error)
-        return error_response(500, f"Internal server error: {type(error).__name__}")
-
+    # shape, elsewhere in SGLang's; an unexpected exception, in SGLang's.
+    install_error_handlers(
+        app, _render_by_path, logger=LOGGER, render_unexpected=engine_error_response
+    )
     return app
+
+
+def _render_by_path(error: EngineError) -> Response:
+    if request.path.startswith("/v1/"):
+        return openai_error_response(error)
+    return engine_error_response(error)
 
 
 def _bearer_matches(keys: list[bytes | None]) -> bool:
     """The request's `Authorization: Bearer` key is one of `keys` (compared in constant
-    time; the scheme name case-insensitively, RFC 7235, the key itself not: `_bearer_is`)."""
-    return any(key is not None and _bearer_is(key.decode()) for key in keys)
+    time; the scheme name case-insensitively, RFC 7235, the key itself not: `bearer_is`)."""
+    return any(key is not None and bearer_is(key.decode()) for key in keys)

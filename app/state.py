@@ -7,9 +7,9 @@ import dataclasses
 
 from quart_trio import QuartTrio
 
-from tributary.engine import EngineService
+from tributary.engine import Capabilities, EngineService
 
-from .metrics import Metrics
+from .observe.metrics import Metrics
 from .settings import ServerSettings
 
 __all__ = ["ServerState", "server_state"]
@@ -30,6 +30,11 @@ class ServerState:
     urls: list[str] = dataclasses.field(default_factory=list)
     #: What `/metrics` serves (None with `enable_metrics` off).
     metrics: Metrics | None = None
+    #: What the engine can do beyond `EngineService`, asked once, as the state is made.
+    capabilities: Capabilities = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.capabilities = Capabilities.of(self.engine)
 
     def attach(self, app: QuartTrio) -> None:
         app.extensions[_STATE_KEY] = self

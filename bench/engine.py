@@ -5,7 +5,7 @@ loop that calls `llama_decode` on the same batch shapes with no scheduler at all
 
 Both sides use the same model, context parameters, prompts, prefill chunking and greedy C
 sampler, and the same OS thread for llama.cpp calls (one OpenMP team: see ComputeThread in
-engine/runners/llama.py), and run alternately in one process (these machines are noisy, so
+engine/compute_thread.py), and run alternately in one process (these machines are noisy, so
 only a side-by-side comparison means anything). The raw loop is the ceiling: any gap is
 scheduler, channel and Trio overhead. Writes docs/benchmarks/engine.json.
 """
@@ -28,9 +28,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tributary import engine
+from tributary.engine.compute_thread import compute_thread
 from tributary.engine.runners.llama import (
     batch_tokens,
-    compute_thread,
     default_model_path,
     load_model,
 )

@@ -34,7 +34,7 @@ from grammarserver import TOOL_SCHEMA
 from tributary.engine import grammar, grammar_guard
 from tributary.engine.grammar import Grammars, compile_on_big_stack
 from tributary.engine.grammar_bounds import ebnf_problem, json_schema_problem, regex_problem
-from tributary.engine.runners.llama import _lltokenizer, default_model_path
+from tributary.engine.runners.llama import default_model_path, vocabulary
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "grammar-containment.json"
 
@@ -79,7 +79,7 @@ def lltokenizer() -> tuple[Any, int]:
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     lltokenizer.model = model  # type: ignore[attr-defined]  # keeps the vocab alive
-    return _lltokenizer(vocab, n_vocab), n_vocab
+    return vocabulary.lltokenizer(vocab, n_vocab), n_vocab
 
 
 def median_ms(samples: list[float]) -> float:

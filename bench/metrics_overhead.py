@@ -19,15 +19,15 @@ the cost is 1 - that ratio. Server CPU per request, sampled from /proc over exac
 measured requests, is reported beside requests/s: it is the steadier figure on a busy
 machine.
 
-Writes docs/benchmarks/metrics-overhead.json and metrics-overhead.md (keeping the notes
-between the `<!-- notes -->` markers).
+Writes docs/benchmarks/metrics-overhead.json (the figures the page shows: medians over
+rounds, the per-round ratios, machine and versions; not every round's measurement) and
+metrics-overhead.md (keeping the notes between the `<!-- notes -->` markers).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import subprocess
 import sys
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from overhead import PYTHON, REPO, machine_info, run_load, versions, wait_for_quiet
-from page_notes import commands_section, existing_notes, page_header
+from page_notes import commands_section, existing_notes, page_header, summary_json
 
 DOCS = REPO / "docs" / "benchmarks"
 
@@ -166,8 +166,8 @@ def micro(repeats: int = 7, number: int = 20000) -> dict[str, float]:
     import trio
 
     sys.path.insert(0, str(REPO))
-    from tributary.app.metrics import Metrics
-    from tributary.app.timing import RequestTiming
+    from tributary.app.observe.metrics import Metrics
+    from tributary.app.observe.timing import RequestTiming
     from tributary.engine import EngineStats
 
     class Idle:
@@ -184,7 +184,7 @@ def micro(repeats: int = 7, number: int = 20000) -> dict[str, float]:
         timing.prompt_tokens, timing.completion_tokens = 8, 4
 
         def per_request() -> None:
-            metrics.observe_finished(timing)
+            metrics.observe_finished(timing.record())
             metrics.count_http("/generate", "POST", 200)
 
         def per_item() -> None:
@@ -223,6 +223,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["cpu_ratio"] = statistics.median(cpu_ratios)
         row["ratio"] = statistics.median(ratios)
         row["ratio_range"] = [min(ratios), max(ratios)]
+        row["ratios"], row["cpu_ratios"] = ratios, cpu_ratios  # per round
         row["cost"] = 1 - row["ratio"]
         row["added_cpu_us"] = statistics.median(cpu)
         row["added_cpu_share"] = row["added_cpu_us"] / row["metrics-off_server_cpu_per_request_us"]
@@ -407,10 +408,8 @@ def main() -> None:
         "summary": summary,
         "micro": alone,
         "in_process": local,
-        "runs": runs,
-        "in_process_runs": local_runs,
     }
-    args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    args.output.write_text(summary_json(doc))
     args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
     print(f"\n{'over HTTP':10s} {'on req/s':>9s} {'off req/s':>10s} {'ratio':>7s} {'cost':>7s}")
     for r in summary:

@@ -27,8 +27,9 @@ nothing; once the server reports them all admitted (running), its RSS before and
 1,000, is the memory per stream. The floor gets the same test with a route that sends the
 SSE headers and then sleeps.
 
-Writes docs/benchmarks/overhead.json and overhead.md (keeping the hand-written notes between
-the `<!-- notes -->` markers).
+Writes docs/benchmarks/overhead.json (the figures the page shows: medians over rounds, the
+per-round ratios, the idle test, machine and versions; not every round's measurement) and
+overhead.md (keeping the hand-written notes between the `<!-- notes -->` markers).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from page_notes import commands_section, existing_notes, page_header
+from page_notes import commands_section, existing_notes, page_header, summary_json
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "benchmarks"
@@ -648,6 +649,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ]
         row["ratio"] = statistics.median(ratios)
         row["ratio_range"] = [min(ratios), max(ratios)]
+        row["ratios"] = ratios  # per round
         for q in ("p50", "p99"):
             added = [
                 pr["tributary"][f"{q}_ms"] - pr["floor"][f"{q}_ms"]
@@ -721,6 +723,15 @@ def wait_for_quiet(threshold: float, max_wait: float) -> dict[str, Any]:
         print(f"  machine busy ({other:.2f} cores used by others); waiting", file=sys.stderr)
         time.sleep(12.0)
         waited += 15.0
+
+
+def quiet_summary(checks: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the waits for a quiet machine before the measurements saw, in all."""
+    return {
+        "count": len(checks),
+        "waited_s": sum(c["waited_s"] for c in checks),
+        "other_cores_3s_max": max((c["other_cores_3s"] for c in checks), default=None),
+    }
 
 
 MODE_NAMES = {
@@ -947,10 +958,9 @@ def main() -> None:
         "summary": summary,
         "per_event": events,
         "idle": idle,
-        "quiet_checks": quiet_log,
-        "runs": runs,
+        "quiet_checks": quiet_summary(quiet_log),
     }
-    args.output.write_text(json.dumps(doc, indent=1) + "\n")
+    args.output.write_text(summary_json(doc))
     args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
     for r in summary:
         print(f"{r['mode']} c={r['concurrency']}: ratio {r['ratio']:.2f}", file=sys.stderr)

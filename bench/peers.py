@@ -488,7 +488,7 @@ def setup_aiperf(args: argparse.Namespace) -> Path:
 
 
 def _default_gguf() -> Path:
-    """The model `tributary serve` loads by default (engine/runners/llama.py)."""
+    """The model `tributary serve` loads by default (engine/runners/llama/loading.py)."""
     return Path(
         in_main_venv(
             "from tributary.engine.runners.llama import default_model_path as d; print(d())"

@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from page_notes import NOTES_END, NOTES_START, existing_notes
 
 from tributary import engine
+from tributary.engine.compute_thread import compute_thread
 from tributary.engine.runners.base import KVRestore
-from tributary.engine.runners.llama import LlamaRunner, compute_thread, default_model_path
+from tributary.engine.runners.llama import LlamaRunner, default_model_path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 OUT_JSON, OUT_MD = DOCS / "prefix-cache.json", DOCS / "prefix-cache.md"

@@ -48,9 +48,12 @@ All servers are stopped on the way out, whatever happened (Ctrl-C and SIGTERM in
 llama-server closes the connection after every streamed response, so its client never reuses
 one (see NO_KEEPALIVE_CLIENT); the others keep `tributary bench`'s keep-alive.
 
-Writes docs/benchmarks/serving.json (every run's full `tributary bench` result, with the Unix
-time it started) and serving.md (tables, plots, machine, commands), keeping the hand-written
-part of serving.md between the `<!-- notes -->` markers.
+Writes docs/benchmarks/serving.json (what the page shows: the medians over rounds with the
+per-round ratios, the machine, the peers' versions, the load during each round, the commands
+and the latencies the CDF plots draw) and serving.md (tables, plots, machine, commands),
+keeping the hand-written part of serving.md between the `<!-- notes -->` markers.
+`--raw-output FILE` also keeps every run's full `tributary bench` result and the prompts;
+`--render-only --raw-output FILE` summarizes such a file again.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from page_notes import NOTES_END, NOTES_START, existing_notes
+from page_notes import NOTES_END, NOTES_START, existing_notes, summary_json
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "benchmarks"
@@ -1125,6 +1128,7 @@ def summarize(records: list[dict[str, Any]], lvls: list[Level]) -> dict[str, Any
                 "vs_llama_server_min": min(vs_ls) if vs_ls else None,
                 "vs_llama_server_max": max(vs_ls) if vs_ls else None,
                 "vs_llama_server_gap_s": med(gaps) if label != "llama-server" else None,
+                "vs_llama_server_per_round": vs_ls,
                 "vs_llama_cpp_server": med(vs_lcp),
                 "median_ttft_ms": med([r["median_ttft_ms"] for r in mine]),
                 "p99_ttft_ms": med([r["p99_ttft_ms"] for r in mine]),
@@ -1242,28 +1246,95 @@ def targets(summary: dict[str, Any], top: int, unary_tokens: int) -> list[dict[s
     return out
 
 
-def plots(
-    records: list[dict[str, Any]], summary: dict[str, Any], top: int, out_dir: Path
-) -> list[str]:
+def latency_cdf(records: list[dict[str, Any]], top: int) -> dict[str, dict[str, list[float]]]:
+    """The latencies the CDF plots draw: per server, in the records' order, the TTFT and e2e
+    (s) of every completed request at concurrency `top`, every round's pooled, sorted."""
+    pooled: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        for run in rec["runs"]:
+            if run["max_concurrency"] == top and run.get("used", True):
+                pooled.setdefault(run["label"], []).extend(run["requests"])
+    return {
+        label: {
+            metric: sorted(r[metric] for r in requests if r["ok"] and r[metric] is not None)
+            for metric in ("ttft", "e2e_latency")
+        }
+        for label, requests in pooled.items()
+    }
+
+
+def page_facts(records: list[dict[str, Any]], top: int) -> dict[str, Any]:
+    """What the page shows of the rounds' records beside the summary: the load during each
+    round, the commands, the versions of Tributary's sources, how the unary test ran, and
+    the latencies of the CDF plots."""
+    rounds = []
+    for rec in records:
+        retried = sum(1 for run in rec["runs"] if not run.get("used", True))
+        retried += len(rec.get("unary_attempts", [])[1:])
+        rounds.append(
+            {
+                "round": rec["round"],
+                "label": rec["label"],
+                "other_cores": rec["load"]["other_cores"],
+                "steal_cores": rec["load"]["steal_cores"],
+                "loadavg_before": rec["before"]["loadavg"],
+                "redone": retried,
+            }
+        )
+    commands = [c for rec in records for c in rec.get("client_commands", [])]
+    requests = (r for rec in records for r in rec.get("unary", {}).get("requests", []))
+    fingerprints = {
+        rec.get("code_fingerprint") for rec in records if rec["label"].startswith("trib")
+    }
+    return {
+        "rounds": rounds,
+        "server_commands": list({rec["label"]: rec["command"] for rec in records}.values()),
+        "client_commands": commands[:1] + [c for c in commands if "--extra-body" in c][:1],
+        "code_fingerprints": sorted(fingerprints - {None}),
+        # whether the unary test took turns request by request between servers (interleaved
+        # runs since its requests recorded when each started)
+        "unary_turns": any("start_unix" in r for r in requests),
+        "latency_cdf": latency_cdf(records, top),
+    }
+
+
+def summary_doc(raw: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a raw document (`--raw-output`): the page's figures, no records."""
+    top = max(raw["config"]["concurrency"])
+    summary = summarize(raw["records"], [])
+    doc = {k: v for k, v in raw.items() if k not in ("records", "summary", "targets", "plots")}
+    doc["prompts"] = {k: v for k, v in raw["prompts"].items() if k != "texts"}
+    return doc | {
+        "summary": summary,
+        "targets": targets(summary, top, raw["config"]["unary_tokens"]),
+        **page_facts(raw["records"], top),
+    }
+
+
+def plots(doc: dict[str, Any], out_dir: Path) -> list[str]:
     """Draw the page's plots into `out_dir` (the page's folder); returns their names."""
     sys.path.insert(0, str(REPO))
     from tributary.bench import plot_latency_cdfs, plot_throughput_vs_concurrency
 
+    top = max(doc["config"]["concurrency"])
     medians = [
         {
             "label": r["label"],
             "max_concurrency": r["concurrency"],
             "output_throughput": r["output_throughput"],
         }
-        for r in summary["rows"]
+        for r in doc["summary"]["rows"]
     ]
     written = [plot_throughput_vs_concurrency(medians, out_dir / "serving_throughput.png")]
-    pooled: dict[str, dict[str, Any]] = {}
-    for rec in records:
-        for run in rec["runs"]:
-            if run["max_concurrency"] == top and run.get("used", True):
-                entry = pooled.setdefault(run["label"], {"label": run["label"], "requests": []})
-                entry["requests"].extend(run["requests"])
+    pooled = {
+        label: {
+            "label": label,
+            "requests": [
+                {"ok": True, metric: value} for metric, values in cdf.items() for value in values
+            ],
+        }
+        for label, cdf in doc["latency_cdf"].items()
+    }
     # llama_cpp.server's queue (seconds) would squash everyone else's curve: a plot without it,
     # and one with every server.
     batching = [v for k, v in pooled.items() if k != "llama_cpp.server"]
@@ -1362,13 +1433,6 @@ def method_lines(doc: dict[str, Any]) -> list[str]:
     ]
 
 
-def unary_turns(doc: dict[str, Any]) -> bool:
-    """Whether the unary test took turns request by request between servers (interleaved
-    runs since its requests recorded when each started)."""
-    requests = (r for rec in doc["records"] for r in rec.get("unary", {}).get("requests", []))
-    return doc["config"].get("mode") == "interleaved" and any("start_unix" in r for r in requests)
-
-
 def render_markdown(doc: dict[str, Any], notes: str) -> str:
     s, m = doc["summary"], doc["machine"]
     top = max(doc["config"]["concurrency"])
@@ -1376,8 +1440,8 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
     lines = [
         "# Serving: Tributary next to llama-server and llama_cpp.server",
         "",
-        "Generated by `bench/serving.py` (`just bench-serving`); the raw results of every run are",
-        "in [serving.json](serving.json). Hand-written notes are kept between the markers below.",
+        "Generated by `bench/serving.py` (`just bench-serving`); its figures are in",
+        "[serving.json](serving.json). Hand-written notes are kept between the markers below.",
         "",
         f"Run on {doc['date']}: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, "
         f"Python {m['python']}; Tributary at commit `{doc['code']['commit'][:10]}`"
@@ -1426,7 +1490,7 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
             "back to back, in an order changed from one prompt to the next so that of any two "
             "servers each went first equally often, and a ratio pairs the same prompt's "
             "requests."
-            if unary_turns(doc)
+            if interleaved and doc["unary_turns"]
             else ""
         ),
         *method_lines(doc),
@@ -1470,15 +1534,11 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
             )
             + "). The medians keep it; the range shows it.",
         ]
-    fingerprints = sorted(
-        {rec.get("code_fingerprint") for rec in doc["records"] if rec["label"].startswith("trib")}
-        - {None}
-    )
-    if len(fingerprints) > 1:
+    if len(doc["code_fingerprints"]) > 1:
         lines += [
             "",
-            f"**Tributary's sources changed during the run** ({len(fingerprints)} versions "
-            "across its server starts; see `code_fingerprint` in the JSON).",
+            f"**Tributary's sources changed during the run** ({len(doc['code_fingerprints'])} "
+            "versions across its server starts; see `code_fingerprints` in the JSON).",
         ]
     lines += [
         "",
@@ -1570,13 +1630,11 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "| measurements redone |",
         "|---:|---|---:|---:|---|---:|",
     ]
-    for rec in doc["records"]:
-        before = ", ".join(f"{x:.2f}" for x in rec["before"]["loadavg"])
-        retried = sum(1 for run in rec["runs"] if not run.get("used", True))
-        retried += len(rec.get("unary_attempts", [])[1:])
+    for row in doc["rounds"]:
+        before = ", ".join(f"{x:.2f}" for x in row["loadavg_before"])
         lines.append(
-            f"| {rec['round']} | {rec['label']} | {rec['load']['other_cores']:.2f} | "
-            f"{rec['load']['steal_cores']:.2f} | {before} | {retried} |"
+            f"| {row['round']} | {row['label']} | {row['other_cores']:.2f} | "
+            f"{row['steal_cores']:.2f} | {before} | {row['redone']} |"
         )
     lines += [
         "",
@@ -1590,11 +1648,7 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
         "```bash",
     ]
-    seen = set()
-    for rec in doc["records"]:
-        if rec["label"] not in seen:
-            seen.add(rec["label"])
-            lines.append(rec["command"])
+    lines += doc["server_commands"]
     lines += [
         "```",
         "",
@@ -1602,15 +1656,14 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
         "```bash",
     ]
-    commands = [c for rec in doc["records"] for c in rec.get("client_commands", [])]
-    lines += commands[:1] + [c for c in commands if "--extra-body" in c][:1]
+    lines += doc["client_commands"]
     lines += ["```", ""]
     return "\n".join(lines)
 
 
-def write_json(doc: dict[str, Any], path: Path) -> None:
-    """Indented, except each request record and each prompt text on one line (the file holds
-    tens of thousands of numbers)."""
+def write_raw_json(doc: dict[str, Any], path: Path) -> None:
+    """The raw document (`--raw-output`): indented, except each request record and each
+    prompt text on one line (the file holds tens of thousands of numbers)."""
     inline: list[str] = []
 
     def mark(value: Any) -> str:
@@ -1661,6 +1714,12 @@ def main() -> None:
     p.add_argument("--markdown", type=Path, default=DOCS / "serving.md")
     p.add_argument("--no-docs", action="store_true", help="write only --output, no md or plots")
     p.add_argument(
+        "--raw-output",
+        type=Path,
+        help="also write every run's full result and the prompts here (with --render-only: "
+        "summarize this raw file into --output)",
+    )
+    p.add_argument(
         "--sequential",
         action="store_true",
         help="one server on the machine at a time, through all its measurements, instead of "
@@ -1678,12 +1737,12 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.render_only:
-        doc = json.loads(args.output.read_text())
-        top = max(doc["config"]["concurrency"])
-        doc["summary"] = summarize(doc["records"], [])
-        doc["targets"] = targets(doc["summary"], top, doc["config"]["unary_tokens"])
-        write_json({k: v for k, v in doc.items() if k != "plots"}, args.output)
-        doc["plots"] = plots(doc["records"], doc["summary"], top, args.markdown.parent)
+        if args.raw_output:
+            doc = summary_doc(json.loads(args.raw_output.read_text()))
+            args.output.write_text(summary_json(doc))
+        else:
+            doc = json.loads(args.output.read_text())
+        plots(doc, args.markdown.parent)
         args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
         return
     if args.quick:  # a smoke test: never overwrites the published results
@@ -1704,9 +1763,8 @@ def main() -> None:
         records, prompt_info = run(specs, plan, args, model, Path(tmp_name))
         master = json.loads(Path(prompt_info["master"]).read_text())
 
-    summary = summarize(records, lvls)
-    top = max(args.concurrency)
-    doc = {
+    lcp_peers = PEERS / "llama-cpp-server-venv" / "peers.json"
+    raw = {
         "benchmark": "serving",
         "date": started.isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -1734,18 +1792,21 @@ def main() -> None:
                 "llama_server": json.loads(
                     (llama_server_binary().parent / "build.json").read_text()
                 ),
-                "llama_cpp_server_venv": json.loads(
-                    (PEERS / "llama-cpp-server-venv" / "peers.json").read_text()
+                # Set up only when llama-cpp-server is measured.
+                "llama_cpp_server_venv": (
+                    json.loads(lcp_peers.read_text()) if lcp_peers.exists() else None
                 ),
             },
         },
         "prompts": {k: v for k, v in prompt_info.items() if k not in ("files", "master")}
         | {"texts": [p["text"] for p in master["prompts"]]},
-        "summary": summary,
-        "targets": targets(summary, top, args.unary_tokens),
         "records": records,
     }
-    write_json(doc, args.output)
+    if args.raw_output:
+        write_raw_json(raw, args.raw_output)
+    doc = summary_doc(raw)
+    summary = doc["summary"]
+    args.output.write_text(summary_json(doc))
     progress(f"wrote {args.output}")
     for v in summary["servers"]:
         if v["idle_cores"] is not None:
@@ -1759,9 +1820,9 @@ def main() -> None:
             f"{summary['tributary_llama_server_gap_s']:.1f} s apart"
         )
     if not args.no_docs:
-        doc["plots"] = plots(records, summary, top, args.markdown.parent)
+        drawn = plots(doc, args.markdown.parent)
         args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
-        progress(f"wrote {args.markdown} and {', '.join(doc['plots'])}")
+        progress(f"wrote {args.markdown} and {', '.join(drawn)}")
     for t in doc["targets"]:
         print(f"{'MET   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
 

@@ -12,10 +12,17 @@ Synopsis::
                 ...
 """
 
+import importlib.metadata
+
+from .capabilities import CacheService as CacheService
+from .capabilities import Capabilities as Capabilities
+from .capabilities import FleetService as FleetService
+from .capabilities import PassthroughService as PassthroughService
+from .capabilities import RelayedAnswer as RelayedAnswer
+from .capabilities import TokenizerService as TokenizerService
 from .config import EngineConfig as EngineConfig
 from .config import SimLatency as SimLatency
 from .core import Engine as Engine
-from .core import EngineLoad as EngineLoad
 from .core import open_engine as open_engine
 from .errors import BadRequest as BadRequest
 from .errors import ContextLengthExceeded as ContextLengthExceeded
@@ -29,6 +36,7 @@ from .errors import QueueFull as QueueFull
 from .errors import RequestTruncated as RequestTruncated
 from .errors import RunnerFailure as RunnerFailure
 from .errors import WorkerFailure as WorkerFailure
+from .interface import EngineLoad as EngineLoad
 from .interface import EngineService as EngineService
 from .request import HEALTH_CHECK_PREFIX as HEALTH_CHECK_PREFIX
 from .request import TERMINAL as TERMINAL
@@ -50,5 +58,10 @@ from .stream import OutputSender as OutputSender
 from .stream import RequestStream as RequestStream
 from .stream import collect_redirected as collect_redirected
 from .stream import open_output_channel as open_output_channel
+from .stream import wait_by as wait_by
 
-__version__ = "0.1.0"
+# One source for the version: pyproject.toml, read back from the installed metadata.
+try:
+    __version__ = importlib.metadata.version("tributary")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

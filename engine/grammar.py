@@ -65,7 +65,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from .errors import BadRequest, GrammarCompilerBusy
 from .grammar_bounds import ebnf_problem, json_schema_problem, regex_problem
-from .grammar_guard import BUSY_TIMEOUT, LEXER_FUEL, STACK_BYTES, check_grammar
+from .grammar_guard import BUSY_TIMEOUT, LEXER_FUEL, STACK_BYTES, check_grammar, first_line
 
 __all__ = [
     "BUSY_TIMEOUT",
@@ -187,7 +187,7 @@ class Grammars:
             # here, as a 400, and not on the compute thread mid-batch.
             fill_next_token_bitmask(matcher, result._bitmask, 0)
         if matcher.is_error():
-            raise BadRequest(f"Invalid {kind}: {_first_line(matcher.get_error())}")
+            raise BadRequest(f"Invalid {kind}: {first_line(matcher.get_error())}")
         return result
 
 
@@ -289,23 +289,15 @@ def _grammar(kind: str, source: str) -> str:
                 )
             )
         except ValueError as exc:
-            raise BadRequest(f"Invalid json_schema: {_first_line(str(exc))}") from None
+            raise BadRequest(f"Invalid json_schema: {first_line(str(exc))}") from None
     if kind == "regex":
         try:
             return str(llguidance.grammar_from("regex", source))
         except ValueError as exc:
-            raise BadRequest(f"Invalid regex: {_first_line(str(exc))}") from None
+            raise BadRequest(f"Invalid regex: {first_line(str(exc))}") from None
     if kind == "ebnf":
         try:
             return str(llguidance.grammar_from("ebnf", source))
         except (ValueError, RecursionError) as exc:
-            raise BadRequest(f"Invalid ebnf: {_first_line(str(exc))}") from None
+            raise BadRequest(f"Invalid ebnf: {first_line(str(exc))}") from None
     raise AssertionError(f"unknown grammar kind {kind!r}")
-
-
-def _first_line(message: str) -> str:
-    """llguidance's message without its trailing detail dump, short enough for a 400."""
-    text = message.split("<non-verbose/>")[0].split("\n<state>")[0].strip() or "unknown error"
-    if text == "NoExtensionBias":  # llguidance's word for "no text can match from here"
-        text = "the grammar cannot match any text (NoExtensionBias)"
-    return text if len(text) <= 500 else text[:497] + "..."

@@ -59,6 +59,7 @@ __all__ = [
     "CHILD_MEMORY_BYTES",
     "POOL_SIZE",
     "check_grammar",
+    "first_line",
     "shutdown",
 ]
 
@@ -197,8 +198,6 @@ def clear_cache() -> None:
 
 def _refusal(kind: str, answer: list[str] | None) -> str | None:
     """The 400's message for the child's answer, worded as engine/grammar.py words its own."""
-    from .grammar import _first_line
-
     if answer is None:
         return None
     stage, message = answer
@@ -206,7 +205,15 @@ def _refusal(kind: str, answer: list[str] | None) -> str | None:
         return f"Invalid json_schema: it is not valid JSON ({message})."
     if stage == "memory":
         return _too_big(kind, "memory")
-    return f"Invalid {kind}: {_first_line(message)}"
+    return f"Invalid {kind}: {first_line(message)}"
+
+
+def first_line(message: str) -> str:
+    """llguidance's message without its trailing detail dump, short enough for a 400."""
+    text = message.split("<non-verbose/>")[0].split("\n<state>")[0].strip() or "unknown error"
+    if text == "NoExtensionBias":  # llguidance's word for "no text can match from here"
+        text = "the grammar cannot match any text (NoExtensionBias)"
+    return text if len(text) <= 500 else text[:497] + "..."
 
 
 def _too_big(kind: str, what: str) -> str:

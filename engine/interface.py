@@ -19,27 +19,34 @@ Contract shared by both (docs/architecture.md):
   the event loop, and returns the items for `submit` to take; it raises QueueFull when the
   items cannot all fit the queue, and nothing else that `submit` would not raise later. The
   HTTP layer awaits it for a request's items before submitting them
-  (`app.generate.submit_all`).
+  (`app.generation.submit_all`).
 - `abort*` only mark: the request's stream ends with a `Done` whose finish_reason is an abort.
-- What an implementation cannot do raises `NotSupported` (501) naming why (a remote fleet has
-  no tokenizer at the front; a local engine has no workers), never a wrong answer.
+- What only one kind of engine can do (tokenize, flush a cache, manage workers, hand a request
+  to a worker whole) is not here but an optional capability (`capabilities.Capabilities`),
+  which the app looks up once and answers for where it is missing (a 501 or 400 naming why,
+  never a wrong answer).
+- What an implementation cannot do for one request raises `NotSupported` (501) naming why.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
-from .core import EngineLoad
-from .request import EngineStats, GenerateRequest, ModelInfo, WorkerStats
+from .request import EngineStats, GenerateRequest, ModelInfo
 from .stream import RequestStream
 
-if TYPE_CHECKING:
-    from .remote.passthrough import Answer
+__all__ = ["EngineLoad", "EngineService", "ServiceConfig"]
 
-__all__ = ["EngineService", "ServiceConfig"]
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineLoad:
+    """The load a router balances on (SGLang's `GetLoadReqOutput`)."""
+
+    num_reqs: int  # running (not aborted) plus waiting
+    num_waiting_reqs: int  # submitted, not yet admitted
+    num_tokens: int  # KV cells in use plus the prompt tokens of waiting requests
 
 
 class ServiceConfig(Protocol):
@@ -51,8 +58,7 @@ class ServiceConfig(Protocol):
 
 
 class EngineService(Protocol):
-    #: True when the tokens come from remote workers (no tokenizer or template here).
-    serves_remotely: bool
+    """What every engine does; what only some do is a capability (`capabilities.py`)."""
 
     @property
     def config(self) -> ServiceConfig: ...
@@ -96,30 +102,3 @@ class EngineService(Protocol):
     def abort_waiting(self, *, message: str = "Aborted", status_code: int | None = None) -> int: ...
 
     def count_refused(self, requests: int) -> None: ...
-
-    def open_passthrough(
-        self, path: str, body: dict[str, Any], *, key: str | None, deadline: float = math.inf
-    ) -> AbstractAsyncContextManager[Answer]:
-        """Hand a request to one worker whole and relay its answer (a remote fleet's chat
-        completions: the template and tokenizer are the workers'); `NotSupported` here."""
-        ...
-
-    def flush_cache(self) -> bool: ...
-
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]: ...
-
-    def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-    def worker_stats(self) -> list[WorkerStats]:
-        """The remote workers behind this engine ([] for a local model)."""
-        ...
-
-    def add_worker(self, url: str, kind: str = "sglang") -> WorkerStats:
-        """Serve from one more worker (ValueError: a bad or known URL)."""
-        ...
-
-    def remove_worker(self, url: str) -> WorkerStats:
-        """Stop choosing `url` (KeyError: not a worker); its in-flight requests carry on."""
-        ...

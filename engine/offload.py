@@ -23,9 +23,11 @@ alive until every such thread has left it (`Engine._using_model`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import trio
+
+from .capabilities import TokenizerService
 
 __all__ = [
     "INLINE_IDS",
@@ -111,14 +113,8 @@ async def off_loop(fn: Callable[..., T], *args: object) -> T:
     return await trio.to_thread.run_sync(fn, *args, limiter=_limiter(), abandon_on_cancel=True)
 
 
-class _Tokenizer(Protocol):
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]: ...
-
-    def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
-
-
 async def tokenize_all(
-    engine: _Tokenizer, texts: Sequence[str], *, add_special: bool
+    engine: TokenizerService, texts: Sequence[str], *, add_special: bool
 ) -> list[list[int]]:
     """The ids of each of `texts` (each distinct text tokenized once): on the event loop
     when they add up to `INLINE_WORK` at most, otherwise all in one worker-thread job."""
@@ -136,7 +132,7 @@ async def tokenize_all(
 
 
 async def detokenize_all(
-    engine: _Tokenizer, lists: Sequence[list[int]], *, skip_special_tokens: bool
+    engine: TokenizerService, lists: Sequence[list[int]], *, skip_special_tokens: bool
 ) -> list[str]:
     """The text of each of `lists`: on the event loop for `INLINE_IDS` ids in all at most,
     otherwise all in one worker-thread job."""

@@ -22,25 +22,52 @@ once per token.
 A deadline (`set_deadline`) bounds every wait for the next item with a Trio cancel scope: at
 the deadline the request is aborted and the stream ends with a `Done` carrying a 408 abort
 finish_reason, at once, without waiting for the scheduler's next step boundary. A consumer of
-redirected streams bounds its own wait by `stream.deadline` and then calls `time_out()`.
+redirected streams bounds its own wait by `stream.deadline` (`wait_by`) and then calls
+`time_out()`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from types import TracebackType
+from typing import TypeVar
 
 import trio
 
 from .errors import RequestTruncated
 from .request import TERMINAL, Done, Error, FinishReason, Frame, Output, abort_reason
 
-__all__ = ["OutputSender", "RequestStream", "collect_redirected", "open_output_channel"]
+__all__ = [
+    "OutputSender",
+    "RequestStream",
+    "collect_redirected",
+    "open_output_channel",
+    "wait_by",
+]
 
 LOGGER = logging.getLogger("tributary.engine.stream")
+
+T = TypeVar("T")
+
+
+async def wait_by(deadline: float, wait: Callable[[], Awaitable[T]]) -> T | None:
+    """`await wait()`, given up at Trio time `deadline` (`math.inf`: never).
+
+    Returns what `wait()` returned, or None if the deadline came first: `wait()` is then
+    cancelled there (`trio.move_on_at`), or at its first checkpoint for a deadline already
+    past (a Trio receive then takes nothing). A cancellation from outside propagates.
+    So None means a timeout only where `wait()` never returns None: a caller that reads
+    the result passes such a `wait` (`RequestStream` a channel's receive, whose items are
+    outputs); the others wait for an event and read the time, not the result.
+    """
+    if deadline == math.inf:
+        return await wait()
+    with trio.move_on_at(deadline):
+        return await wait()
+    return None
 
 
 class OutputSender:
@@ -185,9 +212,8 @@ class RequestStream:
     async def _receive(self) -> Output:
         if self._timeout_reason is None:
             return await self._receiver.receive()
-        with trio.move_on_at(self._deadline):
-            return await self._receiver.receive()
-        return self._timeout_done()
+        item = await wait_by(self._deadline, self._receiver.receive)
+        return self._timeout_done() if item is None else item
 
     @property
     def deadline(self) -> float:
@@ -338,12 +364,7 @@ async def collect_redirected(
         live = [s for s in streams if not s.finished and not s.closed]
         if not live:
             break
-        deadline = min(s.deadline for s in live)
-        if deadline == math.inf:
-            await done.wait()
-            break
-        with trio.move_on_at(deadline):
-            await done.wait()
+        await wait_by(min(s.deadline for s in live), done.wait)
         for stream in streams:
             stream.time_out()  # those past their deadline hand `sink` their 408 Done
     if failure:

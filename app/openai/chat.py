@@ -31,12 +31,12 @@ from quart import Response
 
 from tributary.engine import Done, Frame
 
-from ..exchange import Exchange
-from ..generate import submit_all
-from ..limits import Deadline
-from ..output import json_response
-from ..timing import RequestTiming
-from .chat_template import render_prompt_ids
+from ..chat.template import render_prompt_ids
+from ..generation import submit_all
+from ..http.limits import Deadline
+from ..http.responses import json_response
+from ..observe.exchange import Exchange
+from ..observe.timing import RequestTiming
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import TokenSpeller, chat_logprob_content
 from .protocol import ChatRequest, parse_chat
@@ -51,7 +51,7 @@ __all__ = ["create_chat_completion", "render_chat_prompt"]
 async def render_chat_prompt(served: ServedModel, req: ChatRequest) -> list[int]:
     """The prompt tokens for `req.messages`: template text, no special tokens added.
     Rendered and tokenized off the event loop unless the chat is short (`render_prompt_ids`)."""
-    return await render_prompt_ids(served.chat_template(), served.engine, req.messages)
+    return await render_prompt_ids(served.chat_template(), served.tokenizer, req.messages)
 
 
 async def create_chat_completion(
@@ -65,12 +65,14 @@ async def create_chat_completion(
     """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
     past `deadline`, a 408 (the status, or a stream's error event)."""
     engine = served.engine
-    if engine.serves_remotely:  # the template and tokenizer are the workers'
+    if served.passthrough is not None:  # the template and tokenizer are the workers'
         return await relay_to_worker(
             served,
+            served.passthrough,
             "/v1/chat/completions",
             body,
             owned,
+            exchange,
             deadline=deadline or Deadline(None, math.inf),
         )
     req = parse_chat(
@@ -78,16 +80,12 @@ async def create_chat_completion(
     )
     served.check_model(req.model)
     served.check_max_tokens(req)
-    timing = RequestTiming.start(exchange)
+    timing = RequestTiming.start(exchange, whole=True)  # any choice's failure fails it all
     prompt_ids = await render_chat_prompt(served, req)
     items = served.expand([prompt_ids], req)
     streams = await submit_all(engine, items, deadline)
     owned.extend(streams)
-    # Counted in /metrics once the whole response has succeeded (collect, the stream's end).
-    timings = [
-        timing.for_item(s, item, count_on_done=False)
-        for s, item in zip(streams, items, strict=True)
-    ]
+    timings = [timing.for_item(s, item) for s, item in zip(streams, items, strict=True)]
     head = served.response_head("chatcmpl", "chat.completion", req)
     if req.stream:
         renderer = _Chunks(head, req, served.speller)

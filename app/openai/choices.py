@@ -32,9 +32,8 @@ from tributary.engine import (
     collect_redirected,
 )
 
-from ..errors import abort_status
-from ..timing import RequestTiming
-from .errors import StatusError
+from ..http.errors import StatusError, abort_status
+from ..observe.timing import RequestTiming
 
 __all__ = ["Choice", "collect", "finish_fields", "usage_object"]
 
@@ -97,9 +96,8 @@ def usage_object(choices: Sequence[Choice], *, n: int) -> dict[str, Any]:
 async def collect(
     streams: Sequence[RequestStream], timings: Sequence[RequestTiming] | None = None
 ) -> list[Choice]:
-    """`timings[i]`, when given, observes choice i's items as they arrive; the choices are
-    counted in /metrics (`RequestTiming.count_answer`) only when every one succeeded, since
-    a failure fails the whole response."""
+    """`timings[i]`, when given, observes choice i's items as they arrive (their exchange
+    counts them in /metrics only if every one answered: a failure fails the whole response)."""
     choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
     failures: list[EngineError | None] = [None] * len(streams)
 
@@ -123,6 +121,4 @@ async def collect(
     for failure in failures:
         if failure is not None:
             raise failure
-    for timing in timings or ():
-        timing.count_answer()
     return choices

@@ -31,11 +31,11 @@ from quart import Response
 from tributary.engine import Done, Frame
 from tributary.engine.offload import detokenize_all
 
-from ..exchange import Exchange
-from ..generate import submit_all
-from ..limits import Deadline
-from ..output import json_response
-from ..timing import RequestTiming
+from ..generation import submit_all
+from ..http.limits import Deadline
+from ..http.responses import json_response
+from ..observe.exchange import Exchange
+from ..observe.timing import RequestTiming
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import CompletionLogprobs, merge_completion_logprobs
 from .protocol import CompletionRequest, parse_completion
@@ -62,18 +62,14 @@ async def create_completion(
     )
     served.check_model(req.model)
     served.check_max_tokens(req)
-    timing = RequestTiming.start(exchange)
+    timing = RequestTiming.start(exchange, whole=True)  # any choice's failure fails it all
     items = served.expand(req.prompts, req)
     streams = await submit_all(engine, items, deadline)
     owned.extend(streams)
     # After submitting: a prompt too long for the context is refused before its ids are
     # read back (and a long list is read off the event loop).
     echoes = await _echoes(served, req) if req.echo else None
-    # Counted in /metrics once the whole response has succeeded (collect, the stream's end).
-    timings = [
-        timing.for_item(s, item, count_on_done=False)
-        for s, item in zip(streams, items, strict=True)
-    ]
+    timings = [timing.for_item(s, item) for s, item in zip(streams, items, strict=True)]
     head = served.response_head("cmpl", "text_completion", req)
     shapers = _logprob_shapers(served, req, echoes, len(streams))
     if req.stream:
@@ -106,7 +102,7 @@ async def _echoes(served: ServedModel, req: CompletionRequest) -> list[str]:
     """Each choice's prompt text, for `echo`: token prompts detokenized all in one go, in a
     worker thread when long (`offload.detokenize_all`)."""
     lists = [p for p in req.prompts if not isinstance(p, str)]
-    decoded = iter(await detokenize_all(served.engine, lists, skip_special_tokens=False))
+    decoded = iter(await detokenize_all(served.tokenizer, lists, skip_special_tokens=False))
     texts = [p if isinstance(p, str) else next(decoded) for p in req.prompts]
     return [text for text in texts for _ in range(req.n)]
 

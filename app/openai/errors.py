@@ -1,15 +1,13 @@
 """OpenAI-shaped errors for `/v1`: the few failures only this API has, and the wire shape.
 
-The hierarchy (engine errors keep their statuses; these add what the OpenAI API needs)::
+The hierarchy (engine errors keep their statuses; `http.errors` adds `InvalidRequest`,
+`Unauthorized` and `StatusError`; these add what the OpenAI API needs)::
 
     engine.EngineError                     status from the engine (400, 503, 500)
     ├── engine.BadRequest                  400
-    │   └── InvalidRequest                 400  a /v1 body is wrong; knows the offending `param`
+    │   └── http.errors.InvalidRequest     400  a body is wrong; knows the offending `param`
     │       └── NoChatTemplate             400  the model has no chat template
-    ├── ModelNotFound                      404  `model` names a model this server does not serve
-    ├── Unauthorized                       401  wrong or missing API key (when one is configured)
-    └── StatusError                        any  a status decided elsewhere: a scheduler abort
-                                                with a status code, Quart's 405/413
+    └── ModelNotFound                      404  `model` names a model this server does not serve
 
 Body shape, as OpenAI sends it (`openai` turns it into `APIStatusError` subclasses by status)::
 
@@ -28,25 +26,17 @@ from typing import Any
 
 from quart import Response
 
-from tributary.engine import BadRequest, ContextLengthExceeded, EngineError, QueueFull
+from tributary.engine import ContextLengthExceeded, EngineError, QueueFull
 
-from ..output import json_response
+from ..http.errors import InvalidRequest, Unauthorized
+from ..http.responses import json_response
 
 __all__ = [
-    "InvalidRequest",
     "ModelNotFound",
     "NoChatTemplate",
-    "StatusError",
-    "Unauthorized",
     "openai_error_object",
     "openai_error_response",
 ]
-
-
-class InvalidRequest(BadRequest):
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class NoChatTemplate(InvalidRequest):
@@ -66,23 +56,6 @@ class ModelNotFound(EngineError):
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist.")
         self.param = "model"
-
-
-class Unauthorized(EngineError):
-    http_status = 401
-    err_type = "authentication_error"
-
-    def __init__(self, message: str = "Incorrect API key provided.") -> None:
-        super().__init__(message)
-
-
-class StatusError(EngineError):
-    """An error whose status was decided elsewhere: a `Done` whose abort finish_reason carries
-    a status code (a scheduler rejection), or an HTTP error Quart raised (405, 413)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.http_status = status
 
 
 def _type_for(status: int) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tributary.engine import EngineService, Logprobs, TokenLogprob, TopLogprobs
+from tributary.engine import Logprobs, TokenizerService, TokenLogprob, TopLogprobs
 
 __all__ = [
     "LOGPROB_FLOOR",
@@ -50,15 +50,15 @@ class TokenSpeller:
     """Token ids as logprob entries spell them, cached per id (a vocabulary is at most a few
     hundred thousand entries, and top-20 lists ask for the same few ids over and over)."""
 
-    def __init__(self, engine: EngineService) -> None:
-        self._engine = engine
+    def __init__(self, tokenizer: TokenizerService) -> None:
+        self._tokenizer = tokenizer
         self._bytes: dict[int, bytes] = {}
         self._hidden: dict[int, bool] = {}
 
     def raw(self, token: int) -> bytes:
         raw = self._bytes.get(token)
         if raw is None:
-            raw = self._bytes[token] = self._engine.token_bytes(token)
+            raw = self._bytes[token] = self._tokenizer.token_bytes(token)
         return raw
 
     def text(self, token: int) -> str:
@@ -71,7 +71,7 @@ class TokenSpeller:
             return self.raw(token)
         hidden = self._hidden.get(token)
         if hidden is None:
-            hidden = self._hidden[token] = bool(self.raw(token)) and not self._engine.detokenize(
+            hidden = self._hidden[token] = bool(self.raw(token)) and not self._tokenizer.detokenize(
                 [token], skip_special_tokens=True
             )
         return b"" if hidden else self.raw(token)

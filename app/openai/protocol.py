@@ -28,10 +28,14 @@ server started with a lower `--max-logprobs` lowers the 20 to that.
 
 `rid` is at most `MAX_RID_LENGTH` (256) characters: it is echoed as every chunk's `id`.
 
-Unknown keys are ignored, as SGLang and vLLM do; keys that would change the answer and that
-this server cannot honour (tools, suffix, non-text content, ...) are a 400 rather than
-silently dropped. Every failure raises `InvalidRequest` or an `engine.BadRequest`; nothing is
-submitted.
+The fields are declared once, in models.py (`CompletionBody`, `ChatBody`); a body is converted
+through its declaration in one call, and what is here is OpenAI's and SGLang's rules, in their
+order and words. A field not of its declared type is worded by `_words` (the sampling keys by
+SamplingParams), and raised where the rules below read it (`Pending.raise_for`): a body with
+several faults reports the first these rules meet. Unknown keys are ignored, as SGLang and
+vLLM do; keys that would change the answer and that this server cannot honour (tools, suffix,
+non-text content, ...) are a 400 rather than silently dropped. Every failure raises
+`InvalidRequest` or an `engine.BadRequest`; nothing is submitted.
 """
 
 from __future__ import annotations
@@ -40,11 +44,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tributary.engine import BadRequest, LogprobRequest, SamplingParams
+from msgspec import UNSET
 
-from ..normalize import check_rid
-from .errors import InvalidRequest
-from .messages import parse_messages
+from tributary.engine import BadRequest, LogprobRequest, SamplingParams
+from tributary.engine.wire import Pending, convert_pending
+
+from ..chat.messages import parse_messages
+from ..generation import check_rid
+from ..http.errors import InvalidRequest
+from .models import MAX_TOP_LOGPROBS, SAMPLING_KEYS, ChatBody, CompletionBody, OpenAIBody
 from .response_format import GRAMMAR_CONFLICT, response_format_schema
 
 __all__ = [
@@ -57,40 +65,14 @@ __all__ = [
 
 #: OpenAI's default `max_tokens` for /v1/completions.
 COMPLETION_MAX_TOKENS = 16
-#: The most alternatives per position (`logprobs`, `top_logprobs`): OpenAI's bound.
-MAX_TOP_LOGPROBS = 20
-
-# OpenAI key -> SamplingParams key, for every key passed straight through.
-_SAMPLING_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "no_stop_trim": "no_stop_trim",
-    "logit_bias": "logit_bias",
-    "seed": "sampling_seed",
-    "min_tokens": "min_new_tokens",
-    "regex": "regex",
-    "json_schema": "json_schema",
-    "ebnf": "ebnf",
-    "structural_tag": "structural_tag",  # the engine answers "not supported yet"
-    "stop_regex": "stop_regex",
-    "custom_params": "custom_params",
-}
 
 
 def _set(value: Any) -> bool:
     return value is not None and value != [] and value != {}
 
 
+# Keys that would change the answer and that this server cannot honour, each with "is it in
+# use?" (models.py declares them; tests/app/test_wire_fields.py sees each one refused).
 _UNSUPPORTED_COMMON: dict[str, Callable[[Any], bool]] = {
     "lora_path": _set,
 }
@@ -138,35 +120,80 @@ class ChatRequest(OpenAIRequest):
     messages: list[dict[str, str]]
 
 
+_STRING, _BOOLEAN, _INTEGER = (str, "a string"), (bool, "a boolean"), (int, "an integer")
+#: The fields this layer words a type fault of: key -> (their JSON type, its name).
+_KINDS = {
+    "model": _STRING,
+    "rid": _STRING,
+    "custom_logit_processor": _STRING,
+    "user": _STRING,
+    "stream": _BOOLEAN,
+    "echo": _BOOLEAN,
+    "max_tokens": _INTEGER,
+    "max_completion_tokens": _INTEGER,
+}
+
+
+def _words(
+    key: str, value: Any, most: int = MAX_TOP_LOGPROBS, *, counts: tuple[str, ...] = ()
+) -> InvalidRequest | None:
+    """The 400 for a field that did not convert; None for a value of the field's type out of
+    its declared bounds (the rules word it) and for the sampling keys (SamplingParams does)."""
+    kind, name = _INTEGER if key in counts else _KINDS.get(key, (None, ""))
+    if kind is None or (isinstance(value, kind) and (kind is bool or type(value) is not bool)):
+        return None  # SamplingParams' key, or in the type but out of bounds
+    if key in counts:
+        return InvalidRequest(
+            f"{key} must be an integer between 0 and {most}, got {value!r}.", param=key
+        )
+    return InvalidRequest(f"{key} must be {name}, got {value!r}.", param=key)
+
+
+def _completion_words(key: str, value: Any, most: int = MAX_TOP_LOGPROBS) -> Any:
+    return _words(key, value, most, counts=("logprobs",))
+
+
+def _chat_words(key: str, value: Any, most: int = MAX_TOP_LOGPROBS) -> Any:
+    if key == "logprobs":
+        return InvalidRequest(f"logprobs must be a boolean, got {value!r}.", param=key)
+    return _words(key, value, most, counts=("top_logprobs",))
+
+
 def parse_completion(
-    body: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROBS
+    raw: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROBS
 ) -> CompletionRequest:
-    body = _object(body)
+    body, pending = convert_pending(_object(raw), CompletionBody, _completion_words)
     _reject_unsupported(body, _UNSUPPORTED_COMPLETION)
-    max_tokens = body.get("max_tokens", COMPLETION_MAX_TOKENS)
-    common = _common(body, max_tokens, "max_tokens", vocab_size)
-    best_of = body.get("best_of")
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is UNSET else body.max_tokens
+    common = _common(body, pending, raw, max_tokens, "max_tokens", vocab_size)
+    best_of = body.best_of
     if best_of is not None and best_of != common["n"]:
         raise InvalidRequest("best_of is not supported by this server yet.", param="best_of")
-    echo = _bool(body, "echo")
-    top = _top_count(body, "logprobs", max_logprobs)
+    pending.raise_for("echo")
+    echo = bool(body.echo)
+    top = _top_count(pending, "logprobs", body.logprobs, max_logprobs)
     logprobs = None
     if top is not None:
         # SGLang: the prompt is scored only when echo shows it and alternatives are asked for.
         logprobs = LogprobRequest(start_len=0 if echo and top > 0 else -1, top_n=top)
-    return CompletionRequest(
-        prompts=_prompts(body.get("prompt")), echo=echo, logprobs=logprobs, **common
-    )
+    return CompletionRequest(prompts=_prompts(body.prompt), echo=echo, logprobs=logprobs, **common)
 
 
-def parse_chat(body: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROBS) -> ChatRequest:
-    body = _object(body)
+def parse_chat(raw: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROBS) -> ChatRequest:
+    body, pending = convert_pending(_object(raw), ChatBody, _chat_words)
     _reject_unsupported(body, _UNSUPPORTED_CHAT)
-    messages = parse_messages(body.get("messages"))
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    common = _common(body, body.get(key), key, vocab_size)
-    wanted = _bool(body, "logprobs")
-    top = _top_count(body, "top_logprobs", max_logprobs)
+    messages = parse_messages(body.messages)
+    if body.max_completion_tokens is not None:
+        max_completion_tokens = body.max_completion_tokens
+        common = _common(
+            body, pending, raw, max_completion_tokens, "max_completion_tokens", vocab_size
+        )
+    else:
+        max_tokens = None if body.max_tokens is UNSET else body.max_tokens
+        common = _common(body, pending, raw, max_tokens, "max_tokens", vocab_size)
+    pending.raise_for("logprobs")
+    wanted = bool(body.logprobs)
+    top = _top_count(pending, "top_logprobs", body.top_logprobs, max_logprobs)
     if top is not None and not wanted:
         raise InvalidRequest(
             "top_logprobs can only be set when logprobs is true.", param="top_logprobs"
@@ -181,55 +208,53 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _reject_unsupported(body: dict[str, Any], table: dict[str, Callable[[Any], bool]]) -> None:
+def _reject_unsupported(body: OpenAIBody, table: dict[str, Callable[[Any], bool]]) -> None:
     for key, in_use in table.items():
-        if key in body and in_use(body[key]):
+        value = getattr(body, key)
+        if value is not None and in_use(value):
             raise InvalidRequest(f"{key} is not supported by this server yet.", param=key)
 
 
-def _bool(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{key} must be a boolean, got {value!r}.", param=key)
-    return value
-
-
-def _top_count(body: dict[str, Any], key: str, max_logprobs: int) -> int | None:
+def _top_count(pending: Pending, key: str, value: int | None, max_logprobs: int) -> int | None:
     """OpenAI's bound (20), or the server's `--max-logprobs` when lower."""
-    value = body.get(key)
     if value is None:
         return None
     most = min(MAX_TOP_LOGPROBS, max_logprobs)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+    pending.raise_for(key, most)
+    if not 0 <= value <= most:
         raise InvalidRequest(
             f"{key} must be an integer between 0 and {most}, got {value!r}.", param=key
         )
     return value
 
 
-def _common(body: dict[str, Any], max_tokens: Any, max_key: str, vocab_size: int) -> dict[str, Any]:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest(f"model must be a string, got {model!r}.", param="model")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
-        raise InvalidRequest(f"{max_key} must be an integer, got {max_tokens!r}.", param=max_key)
+def _common(
+    body: OpenAIBody,
+    pending: Pending,
+    sent: dict[str, Any],
+    max_tokens: int | None,
+    max_key: str,
+    vocab_size: int,
+) -> dict[str, Any]:
+    """What both endpoints take; `sent` is the body as sent (which keys it has)."""
+    pending.raise_for("model")
+    pending.raise_for(max_key)
     if max_tokens is not None and max_tokens < 0:
         raise InvalidRequest(f"{max_key} must be at least 0, got {max_tokens}.", param=max_key)
-    raw: dict[str, Any] = {"max_new_tokens": max_tokens, "n": body.get("n")}
-    for key, target in _SAMPLING_KEYS.items():
-        if key in body:
-            raw[target] = body[key]
-    schema = response_format_schema(body.get("response_format"))
+    raw: dict[str, Any] = {"max_new_tokens": max_tokens, "n": body.n}
+    for key, target in SAMPLING_KEYS.items():
+        if key in sent:
+            raw[target] = getattr(body, key)
+    schema = response_format_schema(body.response_format)
     if schema is not None:
         if raw.get("json_schema"):
             raise InvalidRequest(GRAMMAR_CONFLICT, param="response_format")
         raw["json_schema"] = schema
     sampling = SamplingParams.from_dict(raw)
     sampling.verify(vocab_size)
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
+    pending.raise_for("stream")
+    stream = bool(body.stream)
+    options = body.stream_options
     include_usage = False
     if options is not None:
         if not stream:
@@ -238,31 +263,28 @@ def _common(body: dict[str, Any], max_tokens: Any, max_key: str, vocab_size: int
             )
         if not isinstance(options, dict):
             raise InvalidRequest("stream_options must be an object.", param="stream_options")
-        include_usage = _bool(options, "include_usage")
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise InvalidRequest(f"rid must be a string, got {rid!r}.", param="rid")
+        usage = options.get("include_usage")  # inside an object declared as any
+        if usage is not None and not isinstance(usage, bool):
+            raise InvalidRequest(
+                f"include_usage must be a boolean, got {usage!r}.", param="include_usage"
+            )
+        include_usage = bool(usage)
+    pending.raise_for("rid")
+    rid = body.rid
     try:
         check_rid(rid)
     except BadRequest as exc:
         raise InvalidRequest(str(exc), param="rid") from None
-    processor = body.get("custom_logit_processor")
-    if processor is not None and not isinstance(processor, str):
-        raise InvalidRequest(
-            f"custom_logit_processor must be a string, got {processor!r}.",
-            param="custom_logit_processor",
-        )
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequest(f"user must be a string, got {user!r}.", param="user")
+    pending.raise_for("custom_logit_processor")
+    pending.raise_for("user")
     return {
-        "model": model,
-        "sampling": dataclasses.replace(sampling, n=1),
+        "model": body.model,
+        "sampling": sampling if sampling.n == 1 else dataclasses.replace(sampling, n=1),
         "n": sampling.n,
         "stream": stream,
         "include_usage": include_usage,
         "rid": rid,
-        "custom_logit_processor": processor,
+        "custom_logit_processor": body.custom_logit_processor,
     }
 
 

@@ -2,7 +2,7 @@
 
 The prompt of a chat request is the messages rendered with the model's chat template and
 tokenized by its tokenizer; a front has neither (they stay on the workers, as tokenization
-does), so it hands the request to a worker whole (`EngineService.open_passthrough`) and
+does), so it hands the request to a worker whole (`PassthroughService.open_passthrough`) and
 relays the answer: the worker's status, content type and body, unary or streamed, byte for
 byte. The front checks what it can before choosing a worker (the body is a JSON object, the
 model is the one it serves) and keeps its own guarantees: a worker that fails before
@@ -15,24 +15,34 @@ mid-stream ends the stream with a 502 error event and `[DONE]` (504 if it went s
 its status relayed (a cut body as the message it begins with). A body with a custom logit
 processor is refused (501) unless the front was started with
 `--enable-custom-logit-processor`.
+
+Timing: as a local chat's, from after the body is checked (`RequestTiming`, handed to the
+exchange like any request's, so /metrics and the access log see it): its end is when a unary
+answer has been read whole, or when a relayed stream, its last chunk relayed to the client,
+is seen to end; its first token is the first chunk of a relayed stream (the front sees no
+tokens: a relayed chat counts 0 of them, and no phases), and it is an answer unless it failed
+(an error status, a broken stream, the deadline, an error event in the stream).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from types import TracebackType
 from typing import Any
 
 import trio
 from quart import Response
 
-from tributary.engine import EngineError, WorkerFailure
+from tributary.engine import EngineError, PassthroughService, WorkerFailure
 
-from ..limits import Deadline, RequestTimedOut
-from ..multiplex import sse_response
-from ..output import json_response
-from ..sse import DONE, sse_event
-from .errors import InvalidRequest, openai_error_object
+from ..http.errors import InvalidRequest
+from ..http.limits import Deadline, RequestTimedOut
+from ..http.responses import json_response
+from ..http.sse import DONE, sse_event, sse_response
+from ..http.streamed import StreamedBody
+from ..observe.timing import RequestSink, RequestTiming
+from .errors import openai_error_object
 from .served import ServedModel
 
 __all__ = ["relay_to_worker", "routing_key"]
@@ -43,29 +53,48 @@ __all__ = ["relay_to_worker", "routing_key"]
 #: waits from holding a cancelled request open.
 CLOSE_SECONDS = 5.0
 
+#: How an error event of an OpenAI stream begins (`{"error": {...}}`, as Tributary, SGLang and
+#: vLLM send one); a content chunk's JSON begins with another key, and a string value that
+#: holds these bytes has its quotes escaped.
+ERROR_EVENT = b'data: {"error"'
+
+#: How much of a relayed stream's last bytes is kept to find an error event split across
+#: two network chunks: all of it but its last byte.
+_TAIL = len(ERROR_EVENT) - 1
+
 
 async def relay_to_worker(
-    served: ServedModel, path: str, body: Any, owned: list[Any], *, deadline: Deadline
+    served: ServedModel,
+    passthrough: PassthroughService,
+    path: str,
+    body: Any,
+    owned: list[Any],
+    exchange: RequestSink | None = None,
+    *,
+    deadline: Deadline,
 ) -> Response:
     """Raises `EngineError` (OpenAI-shaped by the blueprint) before the first byte. A
     streamed answer's upstream response goes into `owned` (`owned_by_request`), so it is
-    closed even if the client leaves before Quart starts on the body."""
+    closed even if the client leaves before Quart starts on the body. `exchange` is where
+    its timing goes (`RequestSink`)."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     served.check_model(body.get("model"))
     stack = AsyncExitStack()
-    passthrough = served.engine.open_passthrough(
+    answer_context = passthrough.open_passthrough(
         path, body, key=routing_key(body), deadline=deadline.at
     )
+    timing = RequestTiming.start(exchange).for_item()
     try:
         with trio.fail_at(deadline.at):
-            answer = await stack.enter_async_context(passthrough)
+            answer = await stack.enter_async_context(answer_context)
             # The worker's answer, not the request's `stream`, says whether it streams: a
             # `"stream": 1` that SGLang or vLLM reads as true, or a JSON answer to a stream.
             if answer.status >= 400:
                 # An error: its status decides, and its body is cut at the front's
                 # `max_error_bytes` (a cut body is relayed as the message it begins with).
                 data, cut = await answer.read_error()
+                timing.relayed_end(answered=False)
                 await _close(stack)
                 if cut is not None:
                     error = WorkerFailure(cut, status=answer.status)
@@ -74,59 +103,94 @@ async def relay_to_worker(
             if answer.status != 200 or not answer.content_type.startswith("text/event-stream"):
                 # Held whole, so bounded: past the front's limit a 502, the rest unread.
                 data = await answer.read_whole()
+                timing.relayed_end(answered=answer.status == 200)
                 await _close(stack)
                 return Response(data, status=answer.status, content_type=answer.content_type)
     except trio.TooSlowError:
+        timing.relayed_end(answered=False)
         await _close(stack)
         raise RequestTimedOut(deadline.message) from None
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, EngineError):  # not a client that left: that one never ended
+            timing.relayed_end(answered=False)
         await _close(stack)
         raise
-    relayed = _Relayed(answer.chunks, stack, deadline)
+    relayed = _Relayed(answer.chunks, stack, deadline, timing)
     owned.append(relayed)
     return sse_response(relayed)
 
 
-class _Relayed:
+class _Relayed(StreamedBody):
     """The worker's stream as it arrives. Closing it (Quart does, when the response ends or
     its client leaves) closes the worker's response. A deadline or a worker that breaks the
-    stream ends it with an OpenAI error event and [DONE]. An iterator, not an async
-    generator: each wait sits in its own cancel scope, never one held across a yield."""
+    stream ends it with an OpenAI error event and [DONE]. A body, not an async generator:
+    each wait sits in its own cancel scope, never one held across a yield."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], stack: AsyncExitStack, deadline: Deadline):
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        stack: AsyncExitStack,
+        deadline: Deadline,
+        timing: RequestTiming,
+    ):
         self._chunks = chunks
         self._stack = stack
         self._deadline = deadline
+        self._timing = timing
+        self._failed = False  # an error event went by
+        self._tail = b""  # the last `_TAIL` bytes relayed, until an error event is found
         self._ended = False
 
-    def __aiter__(self) -> _Relayed:
-        return self
-
-    async def __anext__(self) -> bytes:
+    async def next_chunk(self) -> bytes:
+        # httpx hands over what one receive brought without yielding, and the write of each
+        # chunk may not yield either (app/http/direct_send.py): a burst must not hold the
+        # loop, which `StreamedBody.__anext__` sees to, checkpointing before each chunk.
         if self._ended:
             raise StopAsyncIteration
-        # httpx hands over what one receive brought without yielding, and the write of each
-        # chunk may not yield either (app/direct_send.py): a burst must not hold the loop.
-        await trio.lowlevel.checkpoint()
         try:
             with trio.fail_at(self._deadline.at):
-                return await self._chunks.__anext__()
+                chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
             self._ended = True
+            self._timing.relayed_end(answered=not self._failed)
             raise
         except trio.TooSlowError:
             return self._last(RequestTimedOut(self._deadline.message))
         except EngineError as exc:  # the worker broke the connection mid-stream
             return self._last(exc)
+        self._timing.relayed_output()
+        if not self._failed:
+            self._scan(chunk)
+        return chunk
+
+    def _scan(self, chunk: bytes) -> None:
+        # An error event may arrive split across chunks: one that begins in the bytes kept
+        # from before ends within this chunk's first `_TAIL` bytes.
+        tail = self._tail
+        if ERROR_EVENT in chunk or (tail and ERROR_EVENT in tail + chunk[:_TAIL]):
+            self._failed = True
+        elif len(chunk) >= _TAIL:
+            self._tail = chunk[-_TAIL:]
+        else:
+            self._tail = (tail + chunk)[-_TAIL:]
 
     def _last(self, error: EngineError) -> bytes:
         self._ended = True
+        self._timing.relayed_end(answered=False)
         return sse_event(openai_error_object(error)) + DONE
 
     async def aclose(self) -> None:
         """Idempotent: Quart calls it as the body ends, the exchange again as it ends."""
         self._ended = True
         await _close(self._stack)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
 
 async def _close(stack: AsyncExitStack) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import InvalidRequest
+from ..http.errors import InvalidRequest
 
 __all__ = ["GRAMMAR_CONFLICT", "response_format_schema"]
 

@@ -15,18 +15,18 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from quart import Blueprint, Response, request
-from werkzeug.exceptions import HTTPException
 
-from tributary.engine import EngineError, EngineService
+from tributary.engine import Capabilities, EngineService
 
-from ..asgi import owned_by_request
-from ..exchange import exchange_of
-from ..normalize import read_within_deadline
-from ..output import json_response
+from ..http.asgi import owned_by_request
+from ..http.body import read_within_deadline
+from ..http.errors import install_error_handlers
+from ..http.responses import json_response
+from ..observe.exchange import exchange_of
 from ..settings import ServerSettings
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import StatusError, openai_error_response
+from .errors import openai_error_response
 from .served import ServedModel
 
 __all__ = ["openai_blueprint"]
@@ -34,11 +34,19 @@ __all__ = ["openai_blueprint"]
 LOGGER = logging.getLogger("tributary.openai")
 
 
-def openai_blueprint(engine: EngineService, settings: ServerSettings | None = None) -> Blueprint:
-    """The OpenAI-compatible API for `engine`; register it on the app serving that engine."""
+def openai_blueprint(
+    engine: EngineService,
+    settings: ServerSettings | None = None,
+    capabilities: Capabilities | None = None,
+) -> Blueprint:
+    """The OpenAI-compatible API for `engine`; register it on the app serving that engine.
+    `capabilities`: the engine's, when the app already asked (`ServerState`)."""
     http = settings or ServerSettings()
     served = ServedModel.for_engine(
-        engine, timing_detail=http.enable_request_timing, max_logprobs=http.max_logprobs
+        engine,
+        capabilities,
+        timing_detail=http.enable_request_timing,
+        max_logprobs=http.max_logprobs,
     )
     bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -66,20 +74,5 @@ def openai_blueprint(engine: EngineService, settings: ServerSettings | None = No
         served.check_model(model_id)
         return json_response(served.card())
 
-    @bp.errorhandler(EngineError)
-    async def on_engine_error(error: EngineError) -> Response:
-        return openai_error_response(error)
-
-    @bp.errorhandler(HTTPException)
-    async def on_http_error(error: HTTPException) -> Response:
-        code = error.code or 500
-        return openai_error_response(StatusError(code, error.description or error.name))
-
-    @bp.errorhandler(Exception)
-    async def on_unexpected(error: Exception) -> Response:
-        LOGGER.exception("unhandled error in %s %s", request.method, request.path, exc_info=error)
-        return openai_error_response(
-            StatusError(500, f"Internal server error: {type(error).__name__}")
-        )
-
+    install_error_handlers(bp, openai_error_response, logger=LOGGER)
     return bp

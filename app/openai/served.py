@@ -20,11 +20,18 @@ from typing import Any
 
 import jinja2
 
-from tributary.engine import EngineService, GenerateRequest
+from tributary.engine import (
+    Capabilities,
+    EngineService,
+    GenerateRequest,
+    PassthroughService,
+    TokenizerService,
+)
 
-from ..normalize import check_fan_out, seeded_sample
-from .chat_template import ChatTemplate
-from .errors import InvalidRequest, ModelNotFound, NoChatTemplate
+from ..chat.template import ChatTemplate
+from ..generation import check_fan_out, seeded_sample
+from ..http.errors import InvalidRequest
+from .errors import ModelNotFound, NoChatTemplate
 from .logprobs import TokenSpeller
 from .protocol import OpenAIRequest
 
@@ -36,6 +43,11 @@ LOGGER = logging.getLogger("tributary.openai")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServedModel:
     engine: EngineService
+    #: The engine's vocabulary; a front's answers each call with its 501 (`Capabilities`).
+    tokenizer: TokenizerService
+    #: A front's: chat completions go to a worker whole (the template and tokenizer are the
+    #: workers'). None with a model of its own.
+    passthrough: PassthroughService | None
     #: `--served-model-name`; without it the engine's model name, read at each use (a front
     #: serving from workers learns it once a worker answers).
     served_model_name: str | None
@@ -51,11 +63,18 @@ class ServedModel:
 
     @classmethod
     def for_engine(
-        cls, engine: EngineService, *, timing_detail: bool = False, max_logprobs: int = 20
+        cls,
+        engine: EngineService,
+        capabilities: Capabilities | None = None,
+        *,
+        timing_detail: bool = False,
+        max_logprobs: int = 20,
     ) -> ServedModel:
-        """Look the model up once. A template that does not compile is logged and treated as
-        absent, so chat answers a clear 400 instead of failing on every request."""
+        """Look the model up once (`capabilities`: the engine's, if the app already asked). A
+        template that does not compile is logged and treated as absent, so chat answers a
+        clear 400 instead of failing on every request."""
         info = engine.model_info
+        capabilities = capabilities or Capabilities.of(engine)
         try:
             template = ChatTemplate.for_engine(engine)
         except jinja2.TemplateError as exc:
@@ -63,10 +82,12 @@ class ServedModel:
             template = None
         return cls(
             engine=engine,
+            tokenizer=capabilities.tokenizer,
+            passthrough=capabilities.passthrough,
             served_model_name=engine.config.served_model_name,
             created=int(time.time()),
             template=template,
-            speller=TokenSpeller(engine),
+            speller=TokenSpeller(capabilities.tokenizer),
             timing_detail=timing_detail,
             max_logprobs=max_logprobs,
         )

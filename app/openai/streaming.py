@@ -2,7 +2,7 @@
 
 Each event is `data: <chunk json>\\n\\n`; the stream ends with `data: [DONE]\\n\\n`. What a
 chunk holds is the endpoint's business (`ChunkRenderer`); the plumbing is `/generate`'s
-`MultiplexedBody` (app/multiplex.py): whatever backlog is waiting rendered as one write,
+`MultiplexedBody` (app/http/multiplex.py): whatever backlog is waiting rendered as one write,
 and the end (usage chunk, `[DONE]`) written with the last choice's final chunk.
 
 `--incremental-streaming-output` does not apply: OpenAI clients concatenate deltas, so `/v1`
@@ -23,9 +23,9 @@ from quart import Response
 
 from tributary.engine import Done, Error, Frame, Output, RequestStream
 
-from ..multiplex import MultiplexedBody, sse_response
-from ..sse import DONE, sse_event
-from ..timing import RequestTiming
+from ..http.multiplex import MultiplexedBody
+from ..http.sse import DONE, sse_event, sse_response
+from ..observe.timing import RequestTiming
 from .choices import Choice
 from .errors import openai_error_object
 from .timings import llama_timings
@@ -87,8 +87,6 @@ class ChunkStreamBody(MultiplexedBody):
         """The chunks after every choice finished (the usage chunk, carrying `timings`)."""
         end = self._renderer.on_end(self._choices)
         self._attach_timings(end)
-        for timing in self._timings or ():
-            timing.count_answer()  # every choice answered: the response is one
         return end
 
     renders_frames = True

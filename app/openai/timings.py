@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..timing import RequestTiming
+from ..observe.timing import RequestTiming
 
 __all__ = ["llama_timings"]
 

@@ -5,6 +5,11 @@ Synopsis::
     info = await discover_model(client, fleet.workers, timeout=2.0, base=unknown_model("m"))
     name = await openai_model_name(client, worker, timeout=5.0)  # what /v1/completions names
 
+    model = ServedModel(client, fleet, name="remote", served_name=None, timeout=2.0)
+    if not await model.ask(log_level=logging.WARNING):
+        nursery.start_soon(model.ask_until_answered, 5.0)
+    model.info                                                   # what the front serves
+
 Every answer is read within `limit` bytes and every call within `timeout` seconds: a worker
 that never answers, or answers without end, costs the front that much and no more.
 """
@@ -21,14 +26,16 @@ import httpx
 import trio
 
 from ..request import ModelInfo
-from .fleet import Worker
+from .fleet import Fleet
 from .wire import AnswerTooLarge, read_limited
+from .worker import Worker
 
 __all__ = [
     "INFO_LIMIT",
     "UNKNOWN_CONTEXT",
     "UNKNOWN_VOCAB",
     "ModelUnknown",
+    "ServedModel",
     "discover_model",
     "openai_model_name",
     "unknown_model",
@@ -63,6 +70,52 @@ def unknown_model(name: str) -> ModelInfo:
         bos_token_id=None,
         chat_template=None,
     )
+
+
+class ServedModel:
+    """The model the front serves, as its workers describe it (`info`): until one does, a
+    model called `served_name` or `name`, with no limits of its own (`unknown_model`)."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        fleet: Fleet,
+        *,
+        name: str,
+        served_name: str | None,
+        timeout: float,
+    ) -> None:
+        self._client = client
+        self._fleet = fleet
+        self._served_name = served_name
+        self._timeout = timeout
+        self._base = unknown_model(served_name or name)
+        self.info = self._base
+
+    async def ask(self, *, log_level: int) -> bool:
+        """Ask the workers about the model; whether one answered (else the model stays
+        the base: a name of the front's and no limits of its own)."""
+        base = self._base
+        info = await discover_model(
+            self._client,
+            self._fleet.workers,
+            timeout=self._timeout,
+            base=base,
+            log_level=log_level,
+        )
+        if self._served_name:
+            info = dataclasses.replace(info, name=self._served_name)
+        self.info = info
+        return info is not base
+
+    async def ask_until_answered(self, pause: float) -> None:
+        """No worker answered at start (workers still loading their model, or none added
+        yet): ask again every `pause` seconds until one does, so the model's name (what /v1
+        requests must name), context length and vocabulary become the workers' once they
+        are up."""
+        while not await self.ask(log_level=logging.DEBUG):
+            await trio.sleep(pause)
+        LOGGER.info("serving %s, as a worker describes it", self.info.name)
 
 
 async def discover_model(

@@ -7,11 +7,12 @@ Synopsis::
         async with eng.submit(GenerateRequest(text="Hi")) as stream:
             async for item in stream: ...                      # Frame ... then Done or Error
 
-Each submitted item gets a forwarding task in the engine's nursery. It picks a worker
-(`Fleet.choose`, excluding the ones already tried), POSTs the item with a rid of the
-front's own choosing (the client's, or a fresh one) and turns the worker's SSE frames into
-the same `Frame` / `Done` / `Error` items the local engine gives, through the stream's
-`OutputSender` (so a redirected SSE body works unchanged).
+Each submitted item gets a forwarding task in the engine's nursery (`forward.Forwarder`).
+It picks a worker (`Fleet.choose`, excluding the ones already tried: `attempt.Attempts`),
+POSTs the item with a rid of the front's own choosing (the client's, or a fresh one) and
+turns the worker's SSE frames into the same `Frame` / `Done` / `Error` items the local
+engine gives, through the stream's `OutputSender` (so a redirected SSE body works
+unchanged). A chat completion goes to one worker whole instead (`open_passthrough`).
 
 Failure contract:
 
@@ -49,19 +50,16 @@ from functools import partial
 from typing import Any
 
 import httpx
-import orjson
 import trio
 
-from ..core import EngineLoad
 from ..errors import (
     BadRequest,
     DuplicateRequestId,
     EngineClosed,
-    EngineError,
     NotSupported,
     QueueFull,
-    WorkerFailure,
 )
+from ..interface import EngineLoad
 from ..request import (
     Done,
     EngineStats,
@@ -76,83 +74,20 @@ from ..request import (
     abort_targets,
 )
 from ..service_nursery import open_service_nursery
-from ..stream import OutputSender, RequestStream, open_output_channel
-from . import openai, sglang
-from .discovery import ModelUnknown, discover_model, openai_model_name, unknown_model
-from .fleet import Attempts, Breaker, Fleet, Together, Worker, WorkerKind
+from ..stream import RequestStream, open_output_channel
+from ..token_ids import check_prompt_ids
+from . import openai
+from .breaker import Breaker
+from .config import CODE_FIELDS, KEEPALIVE_SECONDS, NO_CUSTOM_LOGIT_PROCESSOR, RemoteConfig
+from .discovery import ServedModel
+from .fleet import Fleet
+from .forward import Forwarder
 from .health import run_health_checks
+from .item import Group, GroupedRequest, Item, group_of
 from .passthrough import Answer, open_passthrough
-from .wire import (
-    UPSTREAM_FAILURES,
-    AnswerTooLarge,
-    SendTracker,
-    SSEPayloads,
-    counts_against_worker,
-    error_message,
-    is_retryable_status,
-    lost_failure,
-    read_error_body,
-    sent_then_failed,
-    transport_failure_text,
-)
+from .upstream import Upstream
 
-__all__ = [
-    "UPSTREAM_FAILURES",
-    "RemoteConfig",
-    "RemoteEngine",
-    "RemoteWorkerStats",
-    "open_remote_engine",
-]
-
-LOGGER = logging.getLogger("tributary.engine.remote")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RemoteConfig:
-    """A front serving from workers (`tributary serve --worker-url ...`)."""
-
-    workers: tuple[tuple[str, WorkerKind], ...] = ()
-    policy: str = "cache_aware"
-    served_model_name: str | None = None
-    #: Attempts after the first, for failures before the first output.
-    max_retries: int = 3
-    #: Backoff before retry k (1-based): retry_backoff * 2**(k-1), at most retry_backoff_max.
-    retry_backoff: float = 0.05
-    retry_backoff_max: float = 1.0
-    #: Seconds between health probes of every worker (0: none).
-    health_check_interval: float = 5.0
-    health_check_timeout: float = 2.0
-    connect_timeout: float = 5.0
-    #: The longest a worker may stay silent once it has a request (`--worker-timeout`): for
-    #: its answer's headers (a unary answer comes whole, once generated), then between two
-    #: chunks of its body. Past it the item ends with a 504, not retried elsewhere.
-    worker_timeout: float = 600.0
-    #: How long a worker may take to name its model (an OpenAI worker's `/v1/models`, asked
-    #: before its first request); past it the request is retried on another worker.
-    info_timeout: float = 5.0
-    #: The largest answer the front holds whole (`--max-worker-answer-bytes`): a unary
-    #: answer it relays (chat completions). Past it: a 502, not retried.
-    max_answer_bytes: int = 64 << 20
-    #: The largest single event of a worker's stream the front reads (`/generate`,
-    #: `/v1/completions`): SGLang's cumulative frames hold the whole text so far. Past it: a
-    #: 502, not retried.
-    max_event_bytes: int = 16 << 20
-    #: The most of a worker's error answer the front reads; the rest is cut (the status
-    #: still decides: a 503 is retried elsewhere, a 400 is the client's).
-    max_error_bytes: int = 1 << 20
-    #: Forward `custom_logit_processor` (`/generate`, `/v1/completions`, chat relays) to the
-    #: workers (`--enable-custom-logit-processor` at the front). Off, it is refused with a
-    #: 501: a worker started with that flag runs the Python code a client sends.
-    enable_custom_logit_processor: bool = False
-    #: How long the `/abort_request` a cancelled item sends its worker may take.
-    abort_timeout: float = 2.0
-    #: A worker's breaker opens after this many failures in a row, for this many seconds
-    #: (then one request tries it: half-open).
-    breaker_failure_threshold: int = 3
-    breaker_open_seconds: float = 5.0
-    #: The most items in flight at the front (its `capacity`).
-    max_in_flight: int = 4096
-    runner: str = "remote"  # what /get_server_info shows
+__all__ = ["RemoteEngine", "open_remote_engine"]
 
 
 @asynccontextmanager
@@ -177,13 +112,20 @@ async def open_remote_engine(config: RemoteConfig) -> AsyncIterator[RemoteEngine
             open_seconds=config.breaker_open_seconds,
         )
         fleet = Fleet(config.workers, policy=config.policy, breaker_factory=breakers)
-        engine = RemoteEngine(config, fleet, client)
-        base = unknown_model(config.served_model_name or "remote")
-        discovered = await engine._discover(base, log_level=logging.WARNING)
+        model = ServedModel(
+            client,
+            fleet,
+            name="remote",
+            served_name=config.served_model_name,
+            timeout=config.health_check_timeout,
+        )
+        engine = RemoteEngine(Upstream(config, fleet, client), model)
+        discovered = await model.ask(log_level=logging.WARNING)
         async with open_service_nursery() as nursery:
-            engine._nursery = nursery
+            engine._nursery = engine.upstream.nursery = nursery
             if not discovered:
-                nursery.start_soon(engine._discover_later, base)
+                pause = config.health_check_interval or _REDISCOVER_SECONDS
+                nursery.start_soon(model.ask_until_answered, pause)
             if config.health_check_interval > 0:
                 await nursery.start(
                     partial(
@@ -203,67 +145,32 @@ async def open_remote_engine(config: RemoteConfig) -> AsyncIterator[RemoteEngine
                 nursery.cancel_scope.cancel()
 
 
-@dataclasses.dataclass(eq=False)
-class _Item:
-    rid: str
-    request: GenerateRequest
-    sender: OutputSender
-    stream: RequestStream | None = None
-    scope: trio.CancelScope | None = None  # the forwarding task's
-    attempt: trio.CancelScope | None = None  # the current try's
-    started: bool = False  # an output has been delivered
-    worker: Worker | None = None  # the one holding it now
-    ended: bool = False
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    #: Trio clock when the item's first token reached the front (its `Done` carries it).
-    first_token_at: float | None = None
-    #: The items of its client request (a batch, n > 1): one worker for all (`_Group`).
-    group: _Group | None = None
-    #: Whether the current try's worker has the whole request (`SendTracker`).
-    tracker: SendTracker | None = None
-
-
-class _Group(Together):
-    """The items of one client request (a batch, n > 1), as `prepare` received them: they go
-    to one worker, as SGLang's gateway sends a batch body to one worker whole, so a poison
-    batch reaches one worker, never one per item."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _GroupedRequest(GenerateRequest):
-    """A request `prepare` saw with the other items of its client request."""
-
-    group: _Group = dataclasses.field(repr=False, compare=False)
-
-
 class RemoteEngine:
     """`EngineService` over a `Fleet` of workers. Every method is synchronous and never
-    blocks, like `Engine`'s; the network work runs in the engine's nursery."""
+    blocks, like `Engine`'s; the network work runs in the engine's nursery. Beyond
+    `EngineService`, it has the `FleetService` and `PassthroughService` capabilities; the
+    tokenizer and the prefix cache stay on the workers."""
 
-    serves_remotely = True
-
-    def __init__(self, config: RemoteConfig, fleet: Fleet, client: httpx.AsyncClient) -> None:
-        self.config = config
-        self.fleet = fleet
-        self._client = client
-        self._live: dict[str, _Item] = {}
+    def __init__(self, upstream: Upstream, model: ServedModel) -> None:
+        self.upstream = upstream
+        self.config = upstream.config
+        self.fleet = upstream.fleet
+        self._live: dict[str, Item] = {}
         self._nursery: trio.Nursery | None = None
         self._closed = False
-        self._models: dict[str, str] = {}  # openai worker URL -> its model name
         self._generated_tokens = 0
         self._aborted = 0
-        self._info = unknown_model(config.served_model_name or "remote")
+        self._model = model
+        self._forwarder = Forwarder(upstream, self._deliver)
         #: Items ended by a worker's failure after it had the request, never retried
-        #: (`UPSTREAM_FAILURES` are the reasons): `tributary:front_upstream_failures_total`.
-        self.upstream_failures = dict.fromkeys(UPSTREAM_FAILURES, 0)
+        #: (`wire.UPSTREAM_FAILURES` are the reasons): `tributary:front_upstream_failures_total`.
+        self.upstream_failures = upstream.upstream_failures
 
     # -- what the app reads -------------------------------------------------------------
 
     @property
     def model_info(self) -> ModelInfo:
-        return self._info
+        return self._model.info
 
     @property
     def capacity(self) -> int:
@@ -287,72 +194,31 @@ class RemoteEngine:
         return 0.0  # the workers' steps are theirs; an abort here acts at once
 
     def worker_stats(self) -> list[WorkerStats]:
-        return [_worker_stats(w) for w in self.fleet.workers]
+        return [w.stats() for w in self.fleet.workers]
 
     def add_worker(self, url: str, kind: str = "sglang") -> WorkerStats:
         if kind not in ("sglang", "openai"):
             raise ValueError(f"kind must be 'sglang' or 'openai', got {kind!r}")
-        return _worker_stats(self.fleet.add(url, kind))  # type: ignore[arg-type]
+        return self.fleet.add(url, kind).stats()  # type: ignore[arg-type]
 
     def remove_worker(self, url: str) -> WorkerStats:
         removed = self.fleet.remove(url)
-        # A worker added again at this URL may serve another model (a redeployed vLLM).
-        self._models.pop(removed.url, None)
+        self.upstream.forget_model(removed)
         for item in self._live.values():
             if item.worker is removed and not item.started and item.attempt is not None:
                 item.attempt.cancel()  # retried elsewhere; what has output finishes there
-        return _worker_stats(removed)
-
-    async def _discover(self, base: ModelInfo, *, log_level: int) -> bool:
-        """Ask the workers about the model; whether one answered (else the model stays
-        `base`: a name of the front's and no limits of its own)."""
-        info = await discover_model(
-            self._client,
-            self.fleet.workers,
-            timeout=self.config.health_check_timeout,
-            base=base,
-            log_level=log_level,
-        )
-        if self.config.served_model_name:
-            info = dataclasses.replace(info, name=self.config.served_model_name)
-        self._info = info
-        return info is not base
-
-    async def _discover_later(self, base: ModelInfo) -> None:
-        """No worker answered at start (workers still loading their model, or none added
-        yet): ask again until one does, so the model's name (what /v1 requests must name),
-        context length and vocabulary become the workers' once they are up."""
-        pause = self.config.health_check_interval or _REDISCOVER_SECONDS
-        while not await self._discover(base, log_level=logging.DEBUG):
-            await trio.sleep(pause)
-        LOGGER.info("serving %s, as a worker describes it", self._info.name)
-
-    # -- what stays on the workers ---------------------------------------------------------
-
-    def flush_cache(self) -> bool:
-        raise NotSupported(
-            "This server fronts a fleet of workers; flush each worker's cache at the worker."
-        )
-
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        raise NotSupported(_NO_TOKENIZER)
-
-    def detokenize(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        raise NotSupported(_NO_TOKENIZER)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        raise NotSupported(_NO_TOKENIZER)
+        return removed.stats()
 
     # -- requests -------------------------------------------------------------------------
 
     async def prepare(self, items: Sequence[GenerateRequest]) -> list[GenerateRequest]:
         """The workers tokenize and compile grammars; here the items of one client request
-        only learn that they belong together (`_Group`). An item submitted unprepared goes
+        only learn that they belong together (`Group`). An item submitted unprepared goes
         on its own."""
-        group = _Group()
+        group = Group()
         names = [f.name for f in dataclasses.fields(GenerateRequest)]
         return [
-            _GroupedRequest(**{name: getattr(item, name) for name in names}, group=group)
+            GroupedRequest(**{name: getattr(item, name) for name in names}, group=group)
             for item in items
         ]
 
@@ -372,8 +238,8 @@ class RemoteEngine:
             raise BadRequest(f"n={request.sampling.n}: submit one request per sample.")
         if request.input_ids is None and request.text is None:
             raise BadRequest("Either text, input_ids or input_embeds should be provided.")
-        if request.input_ids is not None and not request.input_ids:
-            raise BadRequest("input_ids cannot be empty.")
+        if request.input_ids is not None:
+            check_prompt_ids(request.input_ids, None)
         self._check_kinds(request)
         rid = request.rid if request.rid is not None else uuid.uuid4().hex
         if rid in self._live:
@@ -383,7 +249,7 @@ class RemoteEngine:
             raise QueueFull("The request queue is full.")
         sender, receiver = open_output_channel(rid)
         prompt = len(request.input_ids) if request.input_ids is not None else 0
-        item = _Item(rid, request, sender, prompt_tokens=prompt, group=_group_of(request))
+        item = Item(rid, request, sender, prompt_tokens=prompt, group=group_of(request))
         stream = RequestStream(
             rid=rid,
             prompt_tokens=prompt,
@@ -394,7 +260,7 @@ class RemoteEngine:
         )
         item.stream = stream
         self._live[rid] = item
-        self._nursery.start_soon(self._forward, item)
+        self._nursery.start_soon(self._forwarder.forward, item)
         return stream
 
     def abort(
@@ -419,7 +285,7 @@ class RemoteEngine:
     def count_refused(self, requests: int) -> None:
         self._aborted += requests
 
-    def _abort_many(self, items: list[_Item], message: str, status_code: int | None) -> int:
+    def _abort_many(self, items: list[Item], message: str, status_code: int | None) -> int:
         err_type = None if status_code is None else "aborted"
         for item in items:
             self._abort_item(
@@ -427,7 +293,7 @@ class RemoteEngine:
             )
         return len(items)
 
-    def _abort_item(self, item: _Item, reason: FinishReason) -> None:
+    def _abort_item(self, item: Item, reason: FinishReason) -> None:
         """End `item` now with an abort `Done`; stop its upstream and tell its worker."""
         if item.ended:
             return
@@ -448,23 +314,10 @@ class RemoteEngine:
         self._aborted += 1
         if item.scope is not None:
             item.scope.cancel()
-        if worker is not None and self._nursery is not None:
-            self._nursery.start_soon(self._post_abort, worker, item.rid)
+        if worker is not None:
+            self.upstream.abort_soon(worker, item.rid)
 
-    async def _post_abort(self, worker: Worker, rid: str) -> None:
-        # Shielded: it must reach the worker even when the engine is closing.
-        with trio.move_on_after(self.config.abort_timeout) as scope:
-            scope.shield = True
-            try:
-                if worker.kind == "sglang":
-                    url = f"{worker.url}/abort_request"
-                    async with self._client.stream("POST", url, json={"rid": rid}) as response:
-                        await read_error_body(response, _SMALL_BODY)
-                # An OpenAI server has no abort route: closing the stream is its abort.
-            except httpx.HTTPError as exc:
-                LOGGER.info("abort of %s at %s failed: %r", rid, worker.url, exc)
-
-    def _end(self, item: _Item, out: Output) -> None:
+    def _end(self, item: Item, out: Output) -> None:
         item.ended = True
         item.sender.send(out)
         item.sender.close()
@@ -474,7 +327,7 @@ class RemoteEngine:
         if self._live.get(item.rid) is item:
             del self._live[item.rid]
 
-    def _deliver(self, item: _Item, out: Output) -> None:
+    def _deliver(self, item: Item, out: Output) -> None:
         if item.ended:
             return
         if isinstance(out, Frame | Done):
@@ -502,227 +355,6 @@ class RemoteEngine:
                 f"equivalent for: {', '.join(refused)}."
             )
 
-    # -- forwarding -----------------------------------------------------------------------
-
-    async def _forward(self, item: _Item) -> None:
-        with trio.CancelScope() as scope:
-            item.scope = scope
-            if item.ended:
-                return
-            try:
-                await self._attempts(item)
-            except Exception as exc:  # a bug here must end this item, not the engine
-                LOGGER.exception("forwarding %s failed", item.rid)
-                message = f"Internal error while forwarding the request ({type(exc).__name__})."
-                self._deliver(item, Error(item.rid, WorkerFailure(message, status=500)))
-
-    async def _attempts(self, item: _Item) -> None:
-        assert item.stream is not None
-        attempts = Attempts(
-            self.fleet,
-            self.config,
-            item.request.input_ids if item.request.input_ids is not None else item.request.text,
-            deadline=item.stream.deadline,
-            skip_kind="openai" if openai.unsupported_fields(item.request) else None,
-            together=item.group,
-        )
-        failure: EngineError = WorkerFailure(
-            "No worker is available to serve the request.", status=503
-        )
-        while (worker := await attempts.next()) is not None:
-            retry = await self._attempt(item, worker)
-            if retry is None:
-                return
-            failure = retry
-        lost = item.group.lost if item.group is not None else None
-        if isinstance(lost, EngineError):
-            failure = lost  # a sibling's worker had it and died: not tried elsewhere
-        self._deliver(item, Error(item.rid, failure))
-
-    async def _attempt(self, item: _Item, worker: Worker) -> EngineError | None:
-        """One try on `worker`. Returns the failure if the item may be retried elsewhere;
-        None once the item has ended (or was aborted, which cancels this). A worker removed
-        before the item's first output gives it up (`remove_worker` cancels the try): it is
-        retried elsewhere if the worker did not have the whole request yet, else it ends
-        with a 503 (a request a worker had is never handed to another)."""
-        with trio.CancelScope() as scope:
-            item.attempt = scope
-            return await self._try(item, worker)
-        if item.ended:
-            return None  # cut while reading what followed its terminal item: nothing to retry
-        assert self._nursery is not None
-        self._nursery.start_soon(self._post_abort, worker, item.rid)
-        if item.tracker is not None and item.tracker.sent:
-            message = (
-                f"Worker {worker.id} was removed from the fleet while it had the request; "
-                "the request is not retried on another worker."
-            )
-            self._deliver(item, Error(item.rid, WorkerFailure(message, status=503)))
-            return None
-        return WorkerFailure(f"Worker {worker.id} was removed from the fleet.", status=503)
-
-    async def _try(self, item: _Item, worker: Worker) -> EngineError | None:
-        item.worker = worker
-        worker.in_flight += 1
-        reader: sglang.GenerateStreamReader | openai.CompletionStreamReader | None = None
-        tracker = item.tracker = SendTracker()
-        status: int | None = None  # an error status whose body is being read
-        config = self.config
-        try:
-            if worker.kind == "openai":
-                model = await self.model_of(worker)
-                url = f"{worker.url}/v1/completions"
-                body = openai.completions_body(item.request, item.rid, model)
-                reader = openai.CompletionStreamReader(item.rid, item.request)
-            else:
-                url = f"{worker.url}/generate"
-                body = sglang.generate_body(item.request, item.rid)
-                reader = sglang.GenerateStreamReader(item.rid)
-            stream = self._client.stream("POST", url, json=body, extensions=tracker.extensions)
-            async with stream as response:
-                if response.status_code != 200:
-                    status = response.status_code
-                    raw = await read_error_body(response, config.max_error_bytes)
-                    return self._failed(
-                        item, worker, status, error_message(raw, status), started=False
-                    )
-                payloads = SSEPayloads(config.max_event_bytes)
-                chunks = response.aiter_bytes()
-                async for chunk in chunks:
-                    for payload in payloads.feed(chunk):
-                        if payload == b"[DONE]":
-                            break
-                        outcome = self._take(item, worker, reader, orjson.loads(payload))
-                        if not isinstance(outcome, _More):
-                            await _read_to_end(chunks)
-                            return outcome
-                    else:
-                        continue
-                    await _read_to_end(chunks)
-                    break  # [DONE]
-            if isinstance(reader, openai.CompletionStreamReader):
-                done = reader.done()
-                if done is not None:
-                    self._deliver(item, done)
-                    worker.breaker.record_success()
-                    return None
-            raise httpx.RemoteProtocolError("the stream ended without a terminal frame")
-        except (
-            httpx.HTTPError,
-            ValueError,  # a frame that is not JSON
-            KeyError,
-            IndexError,
-            AnswerTooLarge,
-            ModelUnknown,  # before the request was sent: another worker may take it
-        ) as exc:
-            started = reader is not None and reader.started
-            failure, reason = self.worker_failed(
-                worker, exc, sent=tracker.sent, started=started, status=status, what=item.rid
-            )
-            if reason is None:
-                return failure  # the worker never had the whole request: retried elsewhere
-            if reason != "ended":
-                assert self._nursery is not None
-                self._nursery.start_soon(self._post_abort, worker, item.rid)
-                if reason in ("dropped", "timeout") and item.group is not None:
-                    # Its siblings would be lost the same way: none goes anywhere now.
-                    item.group.lost = failure
-            self._deliver(item, Error(item.rid, failure))
-            return None
-        finally:
-            worker.in_flight -= 1
-            item.worker = None
-
-    def worker_failed(
-        self,
-        worker: Worker,
-        exc: Exception,
-        *,
-        sent: bool,
-        started: bool,
-        status: int | None = None,
-        what: str,
-    ) -> tuple[WorkerFailure, str | None]:
-        """An exchange with `worker` failed with `exc` (a transport error, an answer past
-        the limits or one the front cannot read, a model it did not name): count it against
-        the worker, log it with the worker's URL, and say what it means for the request,
-        with a message for its client that names the worker by number only.
-
-        `sent`: the worker had the whole request (`SendTracker`); `started`: its answer had
-        begun (some of it went to the client); `status`: it had answered with that error
-        status, whose body was being read. Returns the failure and a reason: None, the
-        worker never had the whole request, so another worker may take it (a retry); else
-        the request ends with this failure, never retried: `UPSTREAM_FAILURES`' reason
-        (counted in `upstream_failures`) when the worker had it and then dropped it, went
-        silent or sent too much, "ended" for any other failure after the answer began."""
-        worker.errors_total += 1
-        worker.breaker.record_failure()
-        LOGGER.warning(
-            "worker %d (%s) failed %s%s: %r",
-            worker.id,
-            worker.url,
-            what,
-            " mid-answer" if started else "",
-            exc,
-        )
-        if isinstance(exc, AnswerTooLarge) or sent_then_failed(exc, sent=sent or started):
-            reason, code, message = lost_failure(
-                worker.id,
-                exc,
-                started=started,
-                worker_timeout=self.config.worker_timeout,
-                status=status,
-            )
-            self.upstream_failures[reason] += 1
-            return WorkerFailure(message, status=code), reason
-        detail = str(exc) if isinstance(exc, ModelUnknown) else transport_failure_text(exc)
-        if started:
-            message = f"Worker {worker.id} failed mid-answer: {detail}."
-            return WorkerFailure(message, status=502), "ended"
-        return WorkerFailure(f"Worker {worker.id} failed: {detail}.", status=503), None
-
-    def _take(
-        self,
-        item: _Item,
-        worker: Worker,
-        reader: sglang.GenerateStreamReader | openai.CompletionStreamReader,
-        obj: Any,
-    ) -> EngineError | _More | None:
-        """One frame of the worker's: `_MORE` to read on, else what `_try` returns."""
-        out = reader.read(obj)
-        if out is None:
-            return _MORE
-        if isinstance(out, Error):
-            status = out.error.http_status
-            return self._failed(item, worker, status, out.error.message, started=reader.started)
-        if isinstance(out, Done) and _worker_leaving(out) and not reader.started:
-            # A worker shutting down refused it before any output: another may not.
-            worker.errors_total += 1
-            return WorkerFailure(str(out.finish_reason.get("message")), status=503)
-        self._deliver(item, out)
-        if isinstance(out, Done):
-            worker.breaker.record_success()
-            return None
-        return _MORE
-
-    def _failed(
-        self, item: _Item, worker: Worker, status: int, message: str, *, started: bool
-    ) -> EngineError | None:
-        """A worker's error answer (a status, or an error frame)."""
-        error = WorkerFailure(message, status=status)
-        if counts_against_worker(status):
-            worker.errors_total += 1
-            worker.breaker.record_failure()
-        if is_retryable_status(status) and not started:
-            return error
-        self._deliver(item, Error(item.rid, error))
-        return None
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        """The HTTP client every request to a worker goes through (one keep-alive pool)."""
-        return self._client
-
     def open_passthrough(
         self, path: str, body: dict[str, Any], *, key: str | None, deadline: float = math.inf
     ) -> AbstractAsyncContextManager[Answer]:
@@ -735,102 +367,9 @@ class RemoteEngine:
             for field in CODE_FIELDS:
                 if body.get(field) not in (None, "", []):
                     raise NotSupported(f"{field}: {NO_CUSTOM_LOGIT_PROCESSOR}")
-        return open_passthrough(self, path, body, key=key, deadline=deadline)
-
-    async def model_of(self, worker: Worker) -> str:
-        """The model name a worker's OpenAI API serves (its `/v1/models`), asked once;
-        `ModelUnknown` unless it answers within `info_timeout`."""
-        model = self._models.get(worker.url)
-        if model is None:
-            model = await openai_model_name(self._client, worker, timeout=self.config.info_timeout)
-            if not worker.removed:
-                self._models[worker.url] = model
-        return model
-
-
-class _More:
-    """`_take`'s answer for "the item goes on: read the next frame"."""
-
-
-_MORE = _More()
-
-_NO_TOKENIZER = (
-    "This server fronts a fleet of workers and has no tokenizer of its own (tokenization "
-    "stays on the workers); call /tokenize or /detokenize on a worker."
-)
+        return open_passthrough(self.upstream, path, body, key=key, deadline=deadline)
 
 
 #: Seconds between asks about the model while no worker has answered (with health checks
 #: off; else their interval).
 _REDISCOVER_SECONDS = 1.0
-
-#: How long the rest of a worker's body (`[DONE]`, the chunked body's end) may take to come
-#: once the item has its terminal frame, and how much of it the front reads.
-_TRAILER_SECONDS = 1.0
-_TRAILER_BYTES = 64 << 10
-
-#: The most the front reads of an answer it only needs the status of (`/abort_request`).
-_SMALL_BODY = 64 << 10
-
-#: Seconds an idle keep-alive connection to a worker is kept. Below the 5 s that uvicorn
-#: (SGLang, vLLM), Hypercorn (Tributary) and llama.cpp's server keep one: the front drops
-#: an idle connection before the worker would, so a request is never sent on a connection
-#: the worker is closing at that moment (which would read as the worker dropping it).
-KEEPALIVE_SECONDS = 4.0
-
-#: Request fields that make a worker run code the client sent: SGLang's custom logit
-#: processor (a pickled callable), vLLM's logits processors (classes by qualified name).
-CODE_FIELDS = ("custom_logit_processor", "logits_processors")
-
-NO_CUSTOM_LOGIT_PROCESSOR = (
-    "This server does not forward custom logit processors to its workers (a worker that "
-    "takes them runs Python code the client sends). Start the front with "
-    "--enable-custom-logit-processor to forward them, or send the request to a worker."
-)
-
-
-async def _read_to_end(chunks: AsyncIterator[bytes]) -> None:
-    """Read what follows the terminal frame so the connection goes back to the keep-alive
-    pool: httpx closes a connection whose response was left unread, and every request would
-    then open a new one. A worker that holds the stream open, or breaks it now, costs the
-    item nothing: its answer is already delivered (and at most `_TRAILER_BYTES` are read)."""
-    with trio.move_on_after(_TRAILER_SECONDS):
-        read = 0
-        try:
-            async for chunk in chunks:
-                read += len(chunk)
-                if read > _TRAILER_BYTES:
-                    return
-        except httpx.HTTPError:
-            pass
-
-
-def _worker_leaving(done: Done) -> bool:
-    reason = done.finish_reason
-    return reason.get("type") == "abort" and reason.get("status_code") == 503
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RemoteWorkerStats(WorkerStats):
-    """`WorkerStats` with the worker's number in the fleet (what client errors name)."""
-
-    id: int = 0
-
-
-def _worker_stats(worker: Worker) -> WorkerStats:
-    return RemoteWorkerStats(
-        id=worker.id,
-        url=worker.url,
-        kind=worker.kind,
-        breaker=worker.breaker.state,
-        healthy=worker.healthy,
-        in_flight=worker.in_flight,
-        requests_total=worker.requests_total,
-        errors_total=worker.errors_total,
-        retries_total=worker.retries_total,
-        breaker_opened_total=worker.breaker.opened_total,
-    )
-
-
-def _group_of(request: GenerateRequest) -> _Group:
-    return request.group if isinstance(request, _GroupedRequest) else _Group()

@@ -24,11 +24,15 @@ of service: every worker marked unhealthy at once would have every request refus
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import httpx
 import trio
+from trio_util import periodic
 
-from .fleet import Fleet, Worker
+from .fleet import Fleet
 from .wire import read_error_body
+from .worker import Worker
 
 __all__ = ["FAILURES_TO_UNHEALTHY", "PASSES_TO_HEALTHY", "check_fleet_health", "run_health_checks"]
 
@@ -53,13 +57,14 @@ async def run_health_checks(
     `timeout`) until cancelled. Reports started after the first round, so the caller begins
     with verdicts. Workers added meanwhile are probed from the next round, removed ones no
     longer. Cancellation ends the round in progress; a probe cut short records nothing."""
-    next_round = trio.current_time() + interval
-    await check_fleet_health(fleet, client, timeout=timeout)
-    task_status.started()
-    while True:
-        await trio.sleep_until(next_round)
-        next_round = trio.current_time() + interval
+    # `periodic` waits from one round's start to the next's, at once after an overrun.
+    rounds = periodic(interval)
+    async with aclosing(rounds):
+        await anext(rounds)
         await check_fleet_health(fleet, client, timeout=timeout)
+        task_status.started()
+        async for _ in rounds:
+            await check_fleet_health(fleet, client, timeout=timeout)
 
 
 async def check_fleet_health(fleet: Fleet, client: httpx.AsyncClient, *, timeout: float) -> None:

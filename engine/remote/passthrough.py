@@ -9,7 +9,7 @@ llama.cpp's server and Tributary all serve `/v1/chat/completions`.
 
 Synopsis::
 
-    async with open_passthrough(engine, "/v1/chat/completions", body, key=text) as answer:
+    async with open_passthrough(upstream, "/v1/chat/completions", body, key=text) as answer:
         answer.status, answer.content_type     # the worker's
         async for chunk in answer.chunks: ...  # its body, as it arrives
 
@@ -32,33 +32,28 @@ its client left (SGLang and vLLM abort the request then).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from ..errors import WorkerFailure
+from .attempt import NO_WORKER, Attempts
 from .discovery import ModelUnknown
-from .fleet import Attempts, Worker
+from .upstream import Upstream
 from .wire import (
     AnswerTooLarge,
-    SendTracker,
     counts_against_worker,
     error_message,
     is_retryable_status,
     read_error_body,
     read_limited,
 )
-
-if TYPE_CHECKING:
-    from .engine import RemoteEngine
+from .worker import Worker
 
 __all__ = ["Answer", "open_passthrough"]
-
-LOGGER = logging.getLogger("tributary.engine.remote")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +96,7 @@ class Answer:
 
 @asynccontextmanager
 async def open_passthrough(
-    engine: RemoteEngine,
+    upstream: Upstream,
     path: str,
     body: dict[str, Any],
     *,
@@ -110,55 +105,52 @@ async def open_passthrough(
 ) -> AsyncIterator[Answer]:
     """POST `body` (its `model` replaced by the worker's) to `path` on a worker chosen by
     the fleet's policy for `key`; yield the first answer that is not a retryable failure."""
-    config = engine.config
-    attempts = Attempts(engine.fleet, config, key, deadline=deadline)
-    failure = WorkerFailure("No worker is available to serve the request.", status=503)
+    config = upstream.config
+    attempts = Attempts(upstream.fleet, config, key, deadline=deadline)
+    failure = WorkerFailure(NO_WORKER, status=503)
     while (worker := await attempts.next()) is not None:
-        worker.in_flight += 1
-        answered = False
-        tracker = SendTracker()
-        status: int | None = None  # a retryable status whose body is being read
-        try:
-            payload = {**body, "model": await engine.model_of(worker)}
-            stream = engine.client.stream(
-                "POST", worker.url + path, json=payload, extensions=tracker.extensions
-            )
-            async with stream as response:
-                if is_retryable_status(response.status_code):
-                    status = response.status_code
-                    raw = await read_error_body(response, config.max_error_bytes)
-                    failure = WorkerFailure(error_message(raw, status), status=status)
-                    worker.errors_total += 1
-                    worker.breaker.record_failure()
-                    continue
-                answered = True
-                chunks = _Chunks(response, worker, engine)
-                yield Answer(
-                    response.status_code,
-                    response.headers.get("content-type", "application/json"),
-                    chunks,
-                    worker.url,
-                    max_bytes=config.max_answer_bytes,
-                    max_error_bytes=config.max_error_bytes,
+        with worker.attempt() as tracker:
+            answered = False
+            status: int | None = None  # a retryable status whose body is being read
+            try:
+                payload = {**body, "model": await upstream.model_of(worker)}
+                stream = upstream.client.stream(
+                    "POST", worker.url + path, json=payload, extensions=tracker.extensions
                 )
-                if chunks.broken:
-                    pass  # counted where it broke; a success now would reset the breaker
-                elif counts_against_worker(response.status_code):
-                    worker.breaker.record_failure()
-                else:
-                    worker.breaker.record_success()
-                return
-        except (httpx.HTTPError, ModelUnknown) as exc:
-            if answered:  # the caller's own error: not the worker's, and never a retry
-                raise
-            failure, reason = engine.worker_failed(
-                worker, exc, sent=tracker.sent, started=False, status=status, what=path
-            )
-            if reason is not None:
-                # The worker had the request: it may be what broke the worker.
-                raise failure from None
-        finally:
-            worker.in_flight -= 1
+                async with stream as response:
+                    if is_retryable_status(response.status_code):
+                        status = response.status_code
+                        raw = await read_error_body(response, config.max_error_bytes)
+                        failure = WorkerFailure(error_message(raw, status), status=status)
+                        worker.errors_total += 1
+                        worker.breaker.record_failure()
+                        continue
+                    answered = True
+                    chunks = _Chunks(response, worker, upstream)
+                    yield Answer(
+                        response.status_code,
+                        response.headers.get("content-type", "application/json"),
+                        chunks,
+                        worker.url,
+                        max_bytes=config.max_answer_bytes,
+                        max_error_bytes=config.max_error_bytes,
+                    )
+                    if chunks.broken:
+                        pass  # counted where it broke; a success now would reset the breaker
+                    elif counts_against_worker(response.status_code):
+                        worker.breaker.record_failure()
+                    else:
+                        worker.breaker.record_success()
+                    return
+            except (httpx.HTTPError, ModelUnknown) as exc:
+                if answered:  # the caller's own error: not the worker's, and never a retry
+                    raise
+                failure, reason = upstream.worker_failed(
+                    worker, exc, sent=tracker.sent, started=False, status=status, what=path
+                )
+                if reason is not None:
+                    # The worker had the request: it may be what broke the worker.
+                    raise failure from None
     raise failure
 
 
@@ -167,10 +159,10 @@ class _Chunks:
     worker a 504; counted against it, and `broken` set), so the caller ends its own
     response cleanly."""
 
-    def __init__(self, response: httpx.Response, worker: Worker, engine: RemoteEngine) -> None:
+    def __init__(self, response: httpx.Response, worker: Worker, upstream: Upstream) -> None:
         self._bytes = response.aiter_bytes()
         self._worker = worker
-        self._engine = engine
+        self._upstream = upstream
         self.broken = False
 
     def __aiter__(self) -> _Chunks:
@@ -190,7 +182,7 @@ class _Chunks:
 
     def _broke(self, exc: Exception) -> WorkerFailure:
         self.broken = True
-        failure, _ = self._engine.worker_failed(
+        failure, _ = self._upstream.worker_failed(
             self._worker, exc, sent=True, started=True, what="a relayed answer"
         )
         return failure

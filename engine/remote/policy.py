@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .radix_tree import RadixTree, token_key
-
-if TYPE_CHECKING:
-    from .fleet import Worker
+from .worker import Worker
 
 __all__ = [
     "POLICIES",

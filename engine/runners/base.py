@@ -5,13 +5,17 @@ per sequence, and knows nothing of requests, rids or channels. One scheduler tas
 runner, so a runner never sees two calls at once, but for one case: while a `decode_run`
 goes on, the scheduler may close sequences that ended (committing a run's tokens, in its
 own task or in one that aborts a request).
+
+Optional features are sub-protocols a runner has or lacks, checked once with `isinstance`
+when the engine starts: `DecodesRuns`, `ReusesKV`, `ReportsKVBytes`, `FindsSpecialTokens`,
+`BoundsTokenCount`, `StopsDecoding`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..grammar import Grammars
 from ..logits import LogitHooks
@@ -19,15 +23,19 @@ from ..request import ModelInfo, hot_record
 from ..sampling import SamplingParams
 
 __all__ = [
+    "BoundsTokenCount",
     "DecodeRun",
+    "DecodesRuns",
+    "FindsSpecialTokens",
     "KVRestore",
     "KVSave",
     "KVState",
+    "ReportsKVBytes",
+    "ReusesKV",
     "RunFeed",
     "Runner",
     "SeqStep",
-    "decodes_runs",
-    "reuses_kv",
+    "StopsDecoding",
 ]
 
 
@@ -160,9 +168,9 @@ class Runner(Protocol):
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         """The ids of `text`. Called on the event loop for short texts and from a worker
         thread for long ones (the engine's `prepare`, `/tokenize`), possibly while a step
-        runs: it must only read the vocabulary. A runner may also have
-        `tokens_at_least(text) -> int`, a lower bound on the ids in linear time, which the
-        engine checks against the context before tokenizing a long text."""
+        runs: it must only read the vocabulary. A runner that `BoundsTokenCount` also bounds
+        the ids in linear time, which the engine checks against the context before
+        tokenizing a long text."""
         ...
 
     def token_piece(self, token_id: int, *, special: bool) -> bytes:
@@ -197,18 +205,70 @@ class Runner(Protocol):
         ...
 
 
-def decodes_runs(runner: Runner) -> bool:
-    """Whether `runner` has `decode_run(plan, run, feed)` (an optional part of the contract,
-    said with a true `decodes_runs` attribute): a step that goes on decoding until the run
-    ends (`DecodeRun`), handing each decode's tokens to `feed` as the run says, without
-    returning to the scheduler between decodes. The engine then plans a run whenever every
-    running sequence is simply decoding; other runners get one `step` per token."""
-    return bool(getattr(runner, "decodes_runs", False))
+# -- optional features ------------------------------------------------------------------
+# A runner has each one or not; the engine asks once, with `isinstance`, when it starts.
 
 
-def reuses_kv(runner: Runner) -> bool:
-    """Whether `runner` takes `SeqStep.restore`, `save` and `fork_from` (an optional part of
-    the contract: a runner says so with a true `reuses_kv` attribute). The engine runs its
-    prefix cache and forks parallel samples only for such runners; others prefill every
-    prompt, as before."""
-    return bool(getattr(runner, "reuses_kv", False))
+@runtime_checkable
+class DecodesRuns(Protocol):
+    """A runner with `decode_run(plan, run, feed)` (said with a true `decodes_runs`
+    attribute): a step that goes on decoding until the run ends (`DecodeRun`), handing each
+    decode's tokens to `feed` as the run says, without returning to the scheduler between
+    decodes. The engine then plans a run whenever every running sequence is simply
+    decoding; other runners get one `step` per token."""
+
+    decodes_runs: bool
+
+    async def decode_run(self, plan: Sequence[SeqStep], run: DecodeRun, feed: RunFeed) -> None: ...
+
+
+@runtime_checkable
+class ReusesKV(Protocol):
+    """A runner whose `step` takes `SeqStep.restore`, `save` and `fork_from` (said with a
+    true `reuses_kv` attribute). The engine runs its prefix cache and forks parallel samples
+    only for such runners; others prefill every prompt, as before."""
+
+    reuses_kv: bool
+
+
+@runtime_checkable
+class ReportsKVBytes(Protocol):
+    """A runner that says how much memory its KV cache took when it loaded (`/metrics`,
+    `kv_cache_bytes`; 0 for others)."""
+
+    #: Bytes of KV the context allocates, fixed once the runner is built.
+    kv_bytes: int
+
+
+@runtime_checkable
+class FindsSpecialTokens(Protocol):
+    """A runner that knows what its vocabulary's special tokens begin with (the llama
+    runner), so the engine can weigh what tokenizing a text costs."""
+
+    @property
+    def special_marks(self) -> str | None:
+        """The characters this vocabulary's special tokens begin with (None: too many to
+        count), for weighing what tokenizing a text costs (`offload.work`)."""
+        ...
+
+
+@runtime_checkable
+class BoundsTokenCount(Protocol):
+    """A runner that bounds a text's token count without tokenizing it (the llama runner),
+    so the engine can refuse a text that can never fit the context before tokenizing it."""
+
+    def tokens_at_least(self, text: str) -> int:
+        """A lower bound on `len(tokenize(text))` in linear time, without tokenizing."""
+        ...
+
+
+@runtime_checkable
+class StopsDecoding(Protocol):
+    """A runner that can give up its decodes midway (the llama runner: at llama.cpp's next
+    graph node). The engine calls `stop_decoding()` as it closes, with its scheduler's
+    cancellation, so that its exit waits for no decode to finish (under CPU load one can
+    take seconds); the step or run in progress then ends with that cancellation."""
+
+    def stop_decoding(self) -> None:
+        """From any thread; after it the runner is only fit for `close`."""
+        ...

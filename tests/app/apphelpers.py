@@ -180,8 +180,6 @@ class ScriptedEngine:
     send more later through `senders[i]`, or close it to truncate the stream.
     """
 
-    serves_remotely = False
-
     def __init__(self, script: Script | None = None) -> None:
         self.model_info = ModelInfo(
             name="scripted",

@@ -12,7 +12,7 @@ import trio
 from apphelpers import greedy, wait_until
 
 from tributary import app, engine
-from tributary.app.exchange import JsonFormatter
+from tributary.app.observe.exchange import JsonFormatter
 from tributary.testing import DEFAULT_SIM_LATENCY, AppClient, step_time
 
 pytestmark = pytest.mark.tributary_config(sim_latency=DEFAULT_SIM_LATENCY)

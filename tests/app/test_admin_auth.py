@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tributary import app, engine, testing
-from tributary.app.admin import ADMIN_PATHS
+from tributary.app.sglang.admin import ADMIN_PATHS
 
 USER = {"Authorization": "Bearer user-key"}
 ADMIN = {"Authorization": "Bearer admin-key"}

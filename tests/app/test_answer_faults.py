@@ -12,8 +12,8 @@ from apphelpers import greedy
 from test_metrics import delta, scrape
 
 from tributary import app, engine, testing
-from tributary.app import output as app_output
-from tributary.app.openai import choices
+from tributary.app.openai import choices, streaming
+from tributary.app.sglang import output as app_output
 from tributary.engine import Done, Frame
 from tributary.testing import AppClient
 
@@ -82,6 +82,50 @@ async def test_a_generate_500_from_an_answer_that_failed_to_build_is_not_counted
     text: Any = ["hi", "hello"] if batch else "hi"
     reply = await client.post("/generate", json={"text": text, "sampling_params": greedy(4)})
     assert reply.status == 500
+    after = await scrape(client)
+    assert delta(after, before, "sglang:num_requests_total") == 0
+    assert delta(after, before, "sglang:generation_tokens_total") == 0
+
+
+async def test_a_generate_answer_that_fails_to_render_after_its_last_item_is_not_counted(
+    tributary_engine: engine.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The engine's `Done` arrived (the request ended with an answer), then rendering the
+    answer failed: the client gets a 500, and /metrics counts no answer (docs/operations.md:
+    failures are not counted)."""
+    client = AppClient(app.create_app(tributary_engine))
+
+    def failing_cumulative(self: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("render bug")
+
+    monkeypatch.setattr(app_output.OutputAccumulator, "cumulative", failing_cumulative)
+    before = await scrape(client)
+    reply = await client.post("/generate", json={"text": "hi", "sampling_params": greedy(3)})
+    assert reply.status == 500
+    after = await scrape(client)
+    assert delta(after, before, "sglang:num_requests_total") == 0
+    assert delta(after, before, "sglang:generation_tokens_total") == 0
+
+
+async def test_a_v1_stream_that_fails_to_render_its_end_is_not_counted(
+    tributary_engine: engine.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Every choice finished, then the stream's end failed to render (its 200 already
+    sent): the client never got the answer, and /metrics does not count it."""
+    client = AppClient(app.create_app(tributary_engine))
+
+    def failing_end(self: Any) -> Any:
+        raise RuntimeError("render bug at the end")
+
+    monkeypatch.setattr(streaming.ChunkStreamBody, "_end", failing_end)
+    before = await scrape(client)
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True}
+    with pytest.raises(RuntimeError, match="render bug at the end"):
+        await client.post("/v1/completions", json=body)
     after = await scrape(client)
     assert delta(after, before, "sglang:num_requests_total") == 0
     assert delta(after, before, "sglang:generation_tokens_total") == 0

@@ -13,7 +13,7 @@ import pytest
 import trio
 from apphelpers import parse_sse, running_server
 
-from tributary.app.admin import FLUSH_CACHE_MESSAGE
+from tributary.app.sglang.admin import FLUSH_CACHE_MESSAGE
 from tributary.engine import EngineConfig
 
 pytestmark = pytest.mark.model

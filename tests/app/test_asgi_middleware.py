@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import trio
 
-from tributary.app.asgi import CloseOwned, ShieldFinalSend, owned_by_request
+from tributary.app.http.asgi import CloseOwned, ShieldFinalSend, owned_by_request
 
 
 class Resource:

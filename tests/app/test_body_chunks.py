@@ -24,7 +24,7 @@ from apphelpers import (
 from test_direct_send import RawClient, check_stream, stream_body
 
 from tributary import app, testing
-from tributary.app import direct_send, multiplex
+from tributary.app.http import direct_send, multiplex
 from tributary.engine import EngineConfig
 from tributary.engine.runners.sim import SimRunner
 
@@ -291,7 +291,7 @@ async def test_a_frame_that_fails_to_render_ends_the_body(
 ) -> None:
     """A bug while rendering a frame at delivery never reaches the engine's scheduler: the
     response ends (its request is aborted) and the server serves on."""
-    from tributary.app.sse import EventStreamBody
+    from tributary.app.sglang.stream import EventStreamBody
 
     calls = Counter[str]()
     render = EventStreamBody.render_frame

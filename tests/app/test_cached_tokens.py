@@ -11,7 +11,7 @@ import httpx
 import pytest
 from apphelpers import Server, parse_sse, running_server, sim_config, two_stream_modes, wait_until
 
-from tributary.app.admin import FLUSH_CACHE_MESSAGE
+from tributary.app.sglang.admin import FLUSH_CACHE_MESSAGE
 from tributary.engine import EngineConfig
 
 #: Small context so the model loads fast; one thread (see test_generate_model.py).

@@ -13,8 +13,8 @@ import trio
 from apphelpers import FAST, chat_sim_runner, greedy, sim_config
 
 from tributary import app, engine, testing
-from tributary.app.sse import EventStreamBody
-from tributary.app.timing import RequestTiming
+from tributary.app.observe.timing import RequestTiming
+from tributary.app.sglang.stream import EventStreamBody
 from tributary.engine import Frame
 
 STEP = testing.step_time(FAST, decoding=1)

@@ -22,7 +22,7 @@ from apphelpers import Server, greedy, parse_sse, post_until_closed, raw_socket,
 from hypercorn.events import RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 
-from tributary.app import direct_send
+from tributary.app.http import direct_send
 
 TOKENS = 64
 
@@ -320,7 +320,7 @@ del hypercorn.trio.tcp_server.TCPServer
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 import trio
 from tributary.app import ServerSettings, create_app
-from tributary.app import direct_send
+from tributary.app.http import direct_send
 from tributary.engine import EngineConfig, open_engine
 
 async def main():

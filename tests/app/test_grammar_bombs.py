@@ -1,4 +1,4 @@
-"""Grammar bombs (issue 33): no `json_schema`, `regex`, `ebnf`, `response_format` or
+"""Grammar bombs: no `json_schema`, `regex`, `ebnf`, `response_format` or
 `stop_regex` a client sends may crash or stall the server. Each shape below crashed (SIGSEGV,
 or the kernel's OOM kill), stalled for seconds, or answered 500 before the bounds in
 engine/grammar_bounds.py and the compile threads in engine/grammar.py (docs/reliability.md,
@@ -87,7 +87,7 @@ def deepest_within_bounds(refs: int = 200, nodes: int = MAX_SCHEMA_NODES) -> str
 
 
 def allof_patterns(n: int) -> dict[str, Any]:
-    """The review's schema: one string under an allOf of n patterns, which the compiler
+    """One string under an allOf of n patterns, which the compiler
     intersects (n=16: 0.7 s and 216 MB; 20: 24 s and 2.35 GB; 24: an abort allocating 5 GB)."""
     return {"type": "string", "allOf": [{"pattern": p} for p in INTERSECTED[:n]]}
 
@@ -453,7 +453,7 @@ BOMBS: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"ebnf": ebnf_rule_chain(5000)}, "rules, over the limit"),
     ("chat", {"json_schema": "[" * 100_000 + "]" * 100_000}, "nested too deeply"),
     ("completions", {"stop_regex": "a{1000000000}"}, "repetition count"),
-    # The review's: exponential memory (an abort allocating 5 GB) and a 28 s compile.
+    # Without their bounds: exponential memory (an abort allocating 5 GB) and a 28 s compile.
     ("generate", {"json_schema": json.dumps(allof_patterns(24))}, "allOf"),
     ("chat", {"response_format": fmt(allof_patterns(20))}, "allOf"),
     ("generate", {"json_schema": json.dumps(pattern_properties(500))}, "patternProperties"),

@@ -1,4 +1,4 @@
-"""Fuzzing the grammar compile path (issue 33) against `tributary serve` on the real model, in
+"""Fuzzing the grammar compile path against `tributary serve` on the real model, in
 a subprocess: Hypothesis builds JSON schemas, regexes, EBNF grammars and stop regexes nested,
 chained and repeated up to thousands deep (around every bound in engine/grammar_bounds.py),
 and sends them as `json_schema`, `regex`, `ebnf`, `stop_regex` and OpenAI's `response_format`.
@@ -7,7 +7,7 @@ Every answer must be a 200 or a 4xx, within `ANSWER_TIME`, and the server proces
 alive after every example (a compiler crash kills it: SIGSEGV, or the OOM killer); after any
 example slower than `SLOW`, and at the end, `/health` answers and a cheap grammar request is
 served within grammarserver.CHEAP_GRAMMAR_TIME (a compile left running would hold a slot).
-The strategies include the shapes the review found past the bounds: patterns intersected
+The strategies include the shapes known to get past the bounds: patterns intersected
 through `allOf` (directly and through merged `properties`), hundreds of `patternProperties`,
 and regex forms the `regex` package reads differently (`[[]`, `(?#...)`, `(?x)`).
 

@@ -1,4 +1,4 @@
-"""Issue 34, items 2-4: every per-request cost a client controls is bounded.
+"""Every per-request cost a client controls is bounded.
 
 - Logprobs: `top_logprobs_num` at most `--max-logprobs` (20), `token_ids_logprob` at most
   128 distinct ids; streams never resend a logprob position (a stream costs O(N x k) entries,

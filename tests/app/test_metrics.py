@@ -227,7 +227,7 @@ async def test_metrics_need_the_api_key_and_health_does_not(
 
 
 def test_bucket_bounds_are_sglangs_with_finer_ones_below() -> None:
-    from tributary.app import metrics
+    from tributary.app.observe import metrics
 
     sglang_e2e = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400,
                   600, 1200, 1800, 2400]  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from tributary.app.multiplex import MultiplexedBody
+from tributary.app.http.multiplex import MultiplexedBody
 from tributary.engine import Engine, Frame, GenerateRequest, SamplingParams
 from tributary.engine.stream import RequestStream, open_output_channel
 from tributary.testing import wait_engine_idle

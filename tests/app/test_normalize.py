@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tributary import app
+from tributary.app import sglang
 from tributary.engine import BadRequest, InvalidSamplingParams
 
 
-def normalize(body: Any) -> app.NormalizedGenerate:
-    return app.normalize_generate(body, vocab_size=259)
+def normalize(body: Any) -> sglang.NormalizedGenerate:
+    return sglang.normalize_generate(body, vocab_size=259)
 
 
 def test_single_text() -> None:

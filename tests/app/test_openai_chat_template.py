@@ -9,7 +9,8 @@ from apphelpers import Server
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from openaihelpers import model_name
 
-from tributary.app.openai import ChatTemplate, InvalidRequest
+from tributary.app.chat import ChatTemplate
+from tributary.app.http.errors import InvalidRequest
 
 pytest_plugins = ["openaifixtures"]  # model_server, http, aclient
 

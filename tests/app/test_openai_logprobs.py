@@ -13,7 +13,8 @@ import pytest
 from apphelpers import Server, parse_sse
 from openaihelpers import chat_body, model_name
 
-from tributary.app.openai import InvalidRequest, parse_chat, parse_completion
+from tributary.app.http.errors import InvalidRequest
+from tributary.app.openai import parse_chat, parse_completion
 from tributary.engine import LogprobRequest
 
 pytest_plugins = ["openaifixtures"]  # model_server, http, aclient

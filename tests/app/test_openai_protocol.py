@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tributary.app.openai import InvalidRequest, parse_chat, parse_completion
+from tributary.app.http.errors import InvalidRequest
+from tributary.app.openai import parse_chat, parse_completion
 from tributary.engine import BadRequest, InvalidSamplingParams
 
 VOCAB = 1000

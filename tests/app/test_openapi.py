@@ -53,6 +53,27 @@ async def test_the_document_is_openapi_3_with_resolvable_references(
             assert "200" in operation["responses"]
 
 
+async def test_no_schema_says_an_empty_required_list(tributary_client: AppClient) -> None:
+    """msgspec writes `"required": []` for a declaration whose fields all have defaults; the
+    document leaves it out (it says nothing, and the hand-written schemas never had it)."""
+    doc = (await tributary_client.get("/openapi.json")).json()
+    empty: list[str] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            if node.get("required") == []:
+                empty.append(where)
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}")
+
+    walk(doc, "")
+    assert empty == []
+    assert "SamplingParams" in doc["components"]["schemas"]  # the generated ones were walked
+
+
 async def test_a_busy_flush_cache_answers_a_documented_status(
     tributary_client: AppClient, tributary_engine: Any
 ) -> None:
@@ -75,7 +96,7 @@ async def test_the_worker_routes_document_their_refusals_and_fields(
     (tests/remote/test_hostile_workers.py sees them answered)."""
     import dataclasses
 
-    from tributary.engine.remote.engine import RemoteWorkerStats
+    from tributary.engine.remote.worker import RemoteWorkerStats
 
     doc = (await tributary_client.get("/openapi.json")).json()
     for path, method in (

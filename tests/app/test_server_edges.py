@@ -1,4 +1,4 @@
-"""Server edges any client can reach without the API key (issue 34, items 5, 11, 12, 13): each
+"""Server edges any client can reach without the API key: each
 test sends the attack, bounded in size and time over loopback, and asserts what an operator
 or another client would notice: a fixed /metrics, a quiet log, an engine not flooded by
 health probes, a smuggled request never answered."""

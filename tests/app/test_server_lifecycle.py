@@ -110,7 +110,7 @@ async def test_idle_keep_alive_connection_is_closed_after_a_response(
 ) -> None:
     # Without ShieldFinalSend the idle timer is never armed after a Quart-Trio response and
     # the connection would stay open until shutdown (trio-stack-notes 2.3). A stream's
-    # writes mostly bypass Hypercorn's send (app/direct_send.py); its timers must not.
+    # writes mostly bypass Hypercorn's send (app/http/direct_send.py); its timers must not.
     async with engine.open_engine(sim_config()) as eng:
         async with app.open_http_server(eng, server_settings(keep_alive_timeout=0.5)) as urls:
             stream = await trio.open_tcp_stream(*host_port(urls[0]))
@@ -244,10 +244,10 @@ async def test_a_slow_step_still_lets_leftovers_read_their_503() -> None:
 async def test_a_long_prefill_queued_at_shutdown_still_gets_its_503_in_time(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    """Review probe (issue 11, defect 4): the margin is measured from the steps run before
+    """The margin is measured from the steps run before
     shutdown began (here only short ones); a request still queued then, admitted while
     draining, would run a far longer first prefill chunk and get its 503 after the graceful
-    deadline (1.09 s of 1.0 before the fix). Queued requests now get their 503 at once,
+    deadline (1.09 s of 1.0 without this). Queued requests get their 503 at once,
     while the running one finishes."""
     graceful_timeout = 1.0
     lat = engine.SimLatency(step_base=0.01, decode_per_seq=0.0, prefill_per_token=0.002)

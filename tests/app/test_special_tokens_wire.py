@@ -1,4 +1,4 @@
-"""Issue 34, "Special tokens freeze everyone": a client's text full of special tokens, or a
+"""Special tokens freeze no one: a client's text full of special tokens, or a
 chat of very many messages, no longer holds the event loop (real model, real Hypercorn on
 loopback). Each attack gets a fast 4xx or a bounded cost, and another client's `/health`
 during it answers within 2x of its baseline (plus a floor for a loaded machine): before the
@@ -19,7 +19,7 @@ import trio
 from apphelpers import server_settings
 
 from tributary import app, engine
-from tributary.app.openai.messages import MAX_MESSAGES
+from tributary.app.chat.messages import MAX_MESSAGES
 from tributary.engine import EngineConfig
 
 MODEL = EngineConfig(context_length=8192, max_running_requests=1, threads=1, prefix_cache_mb=0)

@@ -11,8 +11,9 @@ import trio
 from apphelpers import ScriptedEngine, parse_sse
 
 from tributary import app
-from tributary.app.sse import EventStreamBody
-from tributary.app.timing import RequestTiming
+from tributary.app import sglang
+from tributary.app.observe.timing import RequestTiming
+from tributary.app.sglang.stream import EventStreamBody
 from tributary.engine import Done, Frame, Output
 
 REJECTED = {"type": "abort", "message": "media decode failed", "status_code": 432, "err_type": "x"}
@@ -139,7 +140,7 @@ async def test_30_unknown_finish_reason_passes_through_in_order() -> None:
 async def backlog_chunks(items: list[Output], *, incremental: bool) -> list[bytes]:
     """Run an EventStreamBody whose engine items are all queued before it renders anything."""
     eng = ScriptedEngine(lambda i, rid: items)
-    stream = eng.submit(app.normalize_generate({"text": "x"}, vocab_size=259).items[0])
+    stream = eng.submit(sglang.normalize_generate({"text": "x"}, vocab_size=259).items[0])
     body = EventStreamBody(
         [stream], RequestTiming.start(), batch=False, incremental=incremental, weight_version="w"
     )
@@ -161,7 +162,7 @@ BACKLOG: list[Output] = [
 
 async def test_27_cumulative_backlog_coalesces() -> None:
     eng = ScriptedEngine(lambda i, rid: BACKLOG[:3])
-    stream = eng.submit(app.normalize_generate({"text": "x"}, vocab_size=259).items[0])
+    stream = eng.submit(sglang.normalize_generate({"text": "x"}, vocab_size=259).items[0])
     body = EventStreamBody(
         [stream], RequestTiming.start(), batch=False, incremental=False, weight_version="w"
     )

@@ -5,6 +5,7 @@ and round trips with the real SmolLM2 tokenizer, whose counts match what `/gener
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from apphelpers import Server, running_server, sim_config
 from openaihelpers import MODEL_CONFIG, chat_body
 
 from tributary import app
+from tributary.app.sglang import tokenize as sglang_tokenize
 
 TOKENIZE = ["/tokenize", "/v1/tokenize"]
 DETOKENIZE = ["/detokenize", "/v1/detokenize"]
@@ -241,6 +243,37 @@ async def test_messages_keys_this_server_cannot_honour_are_refused(
         message = f"{key} is not supported by this server yet."
         assert_sglang_error(response, 400, message, "Bad Request")
     await assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "helper"),
+    [
+        ("/tokenize", {"prompt": "hi"}, "tokenize_all"),
+        ("/detokenize", {"tokens": [104]}, "detokenize_all"),
+    ],
+)
+async def test_an_unexpected_error_is_a_500_logged_as_before(
+    client: httpx.AsyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    body: Any,
+    helper: str,
+) -> None:
+    """Logged with the line log filters know (the one before the blueprints shared their
+    error handlers), not the request's method and path."""
+
+    async def failing(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("tokenizer bug")
+
+    monkeypatch.setattr(sglang_tokenize, helper, failing)
+    with caplog.at_level(logging.ERROR, logger="tributary.app"):
+        response = await client.post(path, json=body)
+    message = "Internal server error: RuntimeError"
+    assert_sglang_error(response, 500, message, "InternalServerError")
+    [logged] = [r for r in caplog.records if r.name == "tributary.app"]
+    assert logged.getMessage() == "unhandled error in tokenize/detokenize"
+    assert logged.exc_info is not None and logged.exc_info[0] is RuntimeError
 
 
 async def test_api_key_applies() -> None:

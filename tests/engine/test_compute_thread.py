@@ -1,12 +1,13 @@
-"""The llama runner's `ComputeThread` outlives its jobs: a failed job, and a result whose Trio
-run ended before it arrived (Ctrl-C during a model load), leave it serving; a result nobody
-collects is freed (issue 11, defect 2).
+"""The `ComputeThread` (engine/compute_thread.py) outlives its jobs: a failed job, and a
+result whose Trio run ended before it arrived (Ctrl-C during a model load), leave it
+serving; a result nobody collects is freed.
 
 These tests call `trio.run` themselves, twice in one process, and deliver a real SIGINT to
 the main thread while a job runs, as Ctrl-C in an embedding program does."""
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
@@ -21,8 +22,9 @@ import trio
 
 from tributary import engine
 from tributary.engine import Done, EngineConfig, GenerateRequest, SamplingParams
+from tributary.engine import compute_thread as compute
+from tributary.engine.compute_thread import ComputeThread
 from tributary.engine.runners import llama
-from tributary.engine.runners.llama import ComputeThread
 
 #: How long a second `trio.run` may take before the test calls it hung (a dead compute
 #: thread makes it wait for ever: its wait is shielded, so no deadline inside it helps).
@@ -85,15 +87,15 @@ def test_a_caller_that_leaves_after_its_wake_frees_the_result_and_never_pools_th
     # KeyboardInterrupt reaching a caller just after the compute thread woke it: Trio
     # delivers it through its own queue, after the wake, so this is driven directly.
     thread = ComputeThread()
-    wakeup = llama._Wakeup.take()
-    handoff: llama._Handoff[str] = llama._Handoff(wakeup)
+    wakeup = compute._Wakeup.take()
+    handoff: compute._Handoff[str] = compute._Handoff(wakeup)
     assert handoff.deliver(outcome.Value("model"))
     assert readable(wakeup._eventfd)  # type: ignore[arg-type]
     freed: list[str] = []
     thread._leave(handoff, wakeup, freed.append)
     thread.wait_idle()
     assert freed == ["model"]
-    assert wakeup not in llama._Wakeup._pool  # a later call would wake at once
+    assert wakeup not in compute._Wakeup._pool  # a later call would wake at once
     with pytest.raises(OSError):
         os.fstat(wakeup._eventfd)  # type: ignore[arg-type]
     assert not handoff.deliver(outcome.Value("late"))  # nothing reaches it any more
@@ -117,6 +119,22 @@ def test_a_job_that_raises_anything_leaves_the_thread_serving() -> None:
         return await thread.run(lambda: 7)
 
     assert run_in_thread(lambda: trio.run(later)) == [7]
+
+
+def test_a_failed_job_is_logged_under_the_llama_logger(caplog: pytest.LogCaptureFixture) -> None:
+    """The compute thread's lines keep the logger name they had when the thread lived in
+    the llama runner: log filters select by it."""
+    thread = ComputeThread()
+
+    def fails() -> None:
+        raise RuntimeError("decode bug")
+
+    with caplog.at_level(logging.ERROR, logger="tributary.engine.llama"):
+        thread.submit(fails)
+        thread.wait_idle()
+    [logged] = [r for r in caplog.records if "compute thread job" in r.getMessage()]
+    assert logged.name == "tributary.engine.llama"
+    assert logged.getMessage() == "compute thread job fails failed"
 
 
 def _raise_keyboard_interrupt() -> None:

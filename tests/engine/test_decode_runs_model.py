@@ -178,18 +178,19 @@ async def test_a_streamed_run_does_not_run_ahead_of_a_lagging_event_loop(
     """A reader that blocks the event loop (100 ms a frame, several decodes) gets frames of a
     few tokens, not all the tokens a run would have decoded meanwhile: the run hands back to
     single steps once two decodes wait to be taken. The tokens are those of steps."""
-    from tributary.engine.runners import llama
+    from tributary.engine import compute_thread as compute
+    from tributary.engine.runners.llama import decode_run
 
     waiting: list[int] = []  # at each decode a waking run published, how many waited
-    publish = llama._Handoff.publish
+    publish = compute._Handoff.publish
 
-    def counted(self: llama._Handoff[object], item: object, wake: bool) -> int:
+    def counted(self: compute._Handoff[object], item: object, wake: bool) -> int:
         n = publish(self, item, wake)
         if wake:
             waiting.append(n)
         return n
 
-    monkeypatch.setattr(llama._Handoff, "publish", counted)
+    monkeypatch.setattr(compute._Handoff, "publish", counted)
     got: dict[int, list[list[int]]] = {}
     for max_run in (1, 64):
         config = EngineConfig(
@@ -204,7 +205,7 @@ async def test_a_streamed_run_does_not_run_ahead_of_a_lagging_event_loop(
             got[max_run] = frames
     ran = got[64]
     assert [t for f in ran for t in f] == [t for f in got[1] for t in f]
-    assert waiting and max(waiting) <= 1 + llama.MAX_UNTAKEN, waiting
+    assert waiting and max(waiting) <= 1 + decode_run.MAX_UNTAKEN, waiting
     assert max(len(f) for f in ran) <= 3, [len(f) for f in ran]
 
 
@@ -212,9 +213,9 @@ async def test_a_decode_ahead_skips_a_slot_closed_or_reopened_since() -> None:
     """A run's last tokens may end their request before the decode launched after them is
     queued: a decode ahead for a slot closed meanwhile, or given to another sequence, is
     not run and leaves no KV cell behind."""
+    from tributary.engine.compute_thread import compute_thread
     from tributary.engine.core import open_runner
     from tributary.engine.runners.base import SeqStep
-    from tributary.engine.runners.llama import compute_thread
 
     runner = await open_runner(EngineConfig(context_length=512, max_running_requests=2))
     try:

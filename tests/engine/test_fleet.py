@@ -17,7 +17,8 @@ import httpx
 import pytest
 import trio
 
-from tributary.engine.remote.fleet import Breaker, Fleet, Worker
+from tributary.engine.remote.breaker import Breaker
+from tributary.engine.remote.fleet import Fleet
 from tributary.engine.remote.health import (
     FAILURES_TO_UNHEALTHY,
     check_fleet_health,
@@ -25,6 +26,7 @@ from tributary.engine.remote.health import (
 )
 from tributary.engine.remote.policy import POLICIES, CacheAware
 from tributary.engine.remote.radix_tree import RadixTree
+from tributary.engine.remote.worker import Worker
 
 URLS = ["http://w0:30000", "http://w1:30000", "http://w2:30000", "http://w3:30000"]
 SYSTEM = "You are a careful assistant. Answer briefly and cite your sources. " * 4

@@ -36,12 +36,12 @@ def test_a_configuration_that_fits_passes_and_one_that_does_not_names_the_flags(
 def test_kv_bytes_per_cell_reads_the_heads_widths_from_the_gguf(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Review (issue 9): a model whose heads are not n_embd / n_head wide (Qwen3-0.6B: 28
+    """A model whose heads are not n_embd / n_head wide (Qwen3-0.6B: 28
     layers, n_embd 1024, 16 heads of 128, 8 KV heads) is sized by its GGUF's key and value
     lengths, as llama.cpp allocates it, not at half its size."""
     import llama_cpp
 
-    from tributary.engine.runners import llama
+    from tributary.engine.runners.llama import loading
 
     shape = {"n_embd": 1024, "n_head": 16, "n_head_kv": 8, "n_layer": 28}
     for name, value in shape.items():
@@ -51,10 +51,10 @@ def test_kv_bytes_per_cell_reads_the_heads_widths_from_the_gguf(
         b"qwen3.attention.key_length": "128",
         b"qwen3.attention.value_length": "128",
     }
-    monkeypatch.setattr(llama, "_model_meta", lambda _m, key: meta.get(key))
-    assert llama._kv_bytes_per_cell(None, 2.0) == 28 * 8 * (128 + 128) * 2  # 114,688
+    monkeypatch.setattr(loading, "model_meta", lambda _m, key: meta.get(key))
+    assert loading.kv_bytes_per_cell(None, 2.0) == 28 * 8 * (128 + 128) * 2  # 114,688
     meta.clear()  # no such keys: n_embd / n_head, llama.cpp's default
-    assert llama._kv_bytes_per_cell(None, 2.0) == 28 * 8 * (64 + 64) * 2
+    assert loading.kv_bytes_per_cell(None, 2.0) == 28 * 8 * (64 + 64) * 2
 
 
 def test_a_cgroup_limit_lowers_what_is_available(tmp_path: Path) -> None:

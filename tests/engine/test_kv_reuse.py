@@ -169,7 +169,7 @@ async def test_a_kv_cache_larger_than_memory_is_refused_naming_the_flags() -> No
 async def test_a_hit_on_part_of_a_longer_entry_beside_a_decode_gives_the_same_tokens(
     eng: engine.Engine,
 ) -> None:
-    """Review (issue 9): the restore that drops an entry's positions past the match
+    """The restore that drops an entry's positions past the match
     (`llama_memory_seq_rm`), run while another sequence decodes (its decode launched ahead
     is in flight when the restore is planned), and forks taken beside it too."""
     shared = document(eng, 3 * CHUNK)

@@ -1,4 +1,4 @@
-"""Random workloads on the sim runner (review of issue 9): prompts sharing chunk prefixes,
+"""Random workloads on the sim runner: prompts sharing chunk prefixes,
 identical prompts submitted together (forks), aborts at random moments and a cache small
 enough to evict, run with the prefix cache and forks on and again with both off. Every
 request that completes in both runs gets the same tokens, and the engine ends idle with the

@@ -49,7 +49,7 @@ async def record_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     has finished what it was given before, such as a decode launched ahead)."""
     import llama_cpp
 
-    from tributary.engine.runners.llama import compute_thread
+    from tributary.engine.compute_thread import compute_thread
 
     await compute_thread().run(lambda: None)
     sizes: list[int] = []
@@ -367,7 +367,7 @@ async def test_engine_exit_aborts_in_flight_requests_on_the_real_runner() -> Non
 async def test_decodes_reuse_the_compute_graph(
     monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:
-    """llama-server reuses its compute graph from one decode to the next (issue 8: without
+    """llama-server reuses its compute graph from one decode to the next (without
     reuse it is ~4% slower). Tributary's decodes must get the same: one graph per shape, not
     one per step. llama.cpp counts reuses only with its perf counters on."""
     import llama_cpp

@@ -255,7 +255,7 @@ async def test_abort_during_the_fork_step_frees_everything(
 
 
 def test_an_entry_that_cannot_fit_beside_pinned_ones_evicts_nothing() -> None:
-    """Review (issue 9): an insert that fails for want of room must not first drop the
+    """An insert that fails for want of room must not first drop the
     entries it would have evicted, nor the shorter prefixes it would have replaced."""
     cache = PrefixCache(capacity_bytes=100, chunk=4)
     pinned, other, short = [1] * 4, [2] * 4, [3] * 4

@@ -116,6 +116,17 @@ def test_verify_messages(params: dict[str, object], message: str) -> None:
     assert info.value.http_status == 400
 
 
+def test_verify_again_rechecks_a_changed_logit_bias() -> None:
+    """The verify memo does not cover `logit_bias`, a dict that can change after a verify."""
+    p = SamplingParams.from_dict({"logit_bias": {"5": 1.0}})
+    p.verify(100)
+    p.verify(100)  # memo hit: still fine
+    p.logit_bias[1_000_000] = 1.0  # type: ignore[index]
+    with pytest.raises(InvalidSamplingParams) as info:
+        p.verify(100)
+    assert info.value.message == "logit_bias must has keys in [0, 99], got 1000000."
+
+
 @pytest.mark.parametrize(
     ("params", "fragment"),
     [

@@ -12,7 +12,8 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from tributary.engine.runners.llama import LlamaRunner, default_model_path, special_tokens
+from tributary.engine.runners.llama import LlamaRunner, default_model_path
+from tributary.engine.runners.llama.vocabulary import special_tokens
 from tributary.engine.runners.special_split import (
     SpecialToken,
     SpecialTokens,
@@ -75,9 +76,11 @@ def test_small_pieces_give_the_whole_texts_ids(
     runner: VocabOnly, seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cut every few occurrences (the most cuts) still gives llama.cpp's answer."""
-    from tributary.engine.runners import llama
+    from tributary.engine.runners.llama import vocabulary
 
-    monkeypatch.setattr(llama, "cut_points", lambda data, specials: cut_points(data, specials, 1))
+    monkeypatch.setattr(
+        vocabulary, "cut_points", lambda data, specials: cut_points(data, specials, 1)
+    )
     rng = random.Random(1000 + seed)
     specials = [t.text.decode() for t in runner._specials.tokens]
     text = "".join(

@@ -1,5 +1,5 @@
 """The per-token stop-string check stays cheap at the caps (64 stops of 256 characters), and
-its bounded hold-back computes what the plain search does (issue 34, item 3)."""
+its bounded hold-back computes what the plain search does."""
 
 from __future__ import annotations
 

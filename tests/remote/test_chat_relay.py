@@ -6,9 +6,11 @@ handling."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import socket
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -16,10 +18,13 @@ import httpx
 import pytest
 import trio
 from hypercorn.trio import serve
+from prometheus_client.parser import text_string_to_metric_families
 from remotehelpers import SLOW, fake_worker_request, start_worker
 
 from tributary import app, testing
-from tributary.app.openai.relay import routing_key
+from tributary.app.http.limits import Deadline
+from tributary.app.observe.timing import RequestTiming
+from tributary.app.openai.relay import _Relayed, routing_key
 from tributary.app.server import hypercorn_config
 from tributary.engine import EngineConfig, open_engine
 from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engine
@@ -207,7 +212,8 @@ class FakeChatWorker:
     """An OpenAI server (ASGI) serving model "fake", whose chat answer the first message
     names: "break" (one event, then the connection cut), "gated" (one event, then the rest
     once `release` is set), "hold" (one event, then nothing until its client leaves, counted
-    in `left`), "json then hold" (a JSON answer's first half, then the same)."""
+    in `left`), "json then hold" (a JSON answer's first half, then the same), "json" (a
+    whole JSON answer), "error event" (one event, then an error event and `[DONE]`)."""
 
     def __init__(self) -> None:
         self.release = trio.Event()
@@ -224,6 +230,11 @@ class FakeChatWorker:
             await send({"type": "http.response.body", "body": models.encode()})
             return
         scenario = json.loads(raw)["messages"][0]["content"]
+        if scenario == "json":
+            json_type = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": 200, "headers": json_type})
+            await send({"type": "http.response.body", "body": b'{"object": "chat.completion"}'})
+            return
         if scenario == "json then hold":
             json_type = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 200, "headers": json_type})
@@ -236,6 +247,10 @@ class FakeChatWorker:
         await send({"type": "http.response.body", "body": chunk_event("Hello"), "more_body": True})
         if scenario == "break":
             raise RuntimeError("the worker fails mid-answer")  # Hypercorn cuts the connection
+        if scenario == "error event":
+            error = b'data: {"error": {"message": "failed", "code": 500}}\n\ndata: [DONE]\n\n'
+            await send({"type": "http.response.body", "body": error})
+            return
         if scenario == "hold":
             await self._hold(receive)
             return
@@ -306,6 +321,61 @@ async def test_the_workers_answer_decides_whether_the_relay_streams() -> None:
         assert held.status_code == 408 and held.json()["error"]["type"] == "timeout_error"
 
 
+async def test_a_relayed_chat_is_timed_counted_and_logged_like_a_local_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """/metrics at the front counts a relayed chat that answered (its end-to-end latency, and
+    a stream's first token as the first chunk that reached the front), not one that failed;
+    the access log has a line for each, with its latency."""
+    caplog.set_level(logging.INFO, logger="tributary.access")
+
+    def samples(text: str) -> dict[str, float]:
+        return {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if not sample.labels.keys() - {"model_name"}
+        }
+
+    async with open_fake_fleet() as (fake, _, url), httpx.AsyncClient(timeout=30) as client:
+        scrape = partial(client.get, f"{url}/metrics")
+        before = samples((await scrape()).text)
+        fake.release.set()
+        chat = f"{url}/v1/chat/completions"
+        for failing in ("break", "error event"):
+            events = testing.parse_sse(
+                (await client.post(chat, json=fake_chat(failing, stream=True))).text
+            )
+            assert events[-1] == "[DONE]" and "error" in events[-2]
+        unary = await client.post(chat, json=fake_chat("json"))
+        assert unary.json() == {"object": "chat.completion"}
+        streamed = await client.post(chat, json=fake_chat("gated", stream=True))
+        assert testing.parse_sse(streamed.text)[-1] == "[DONE]"
+        with trio.fail_after(5):  # an exchange is counted as it ends, just after its last byte
+            while (after := samples((await scrape()).text))["sglang:num_requests_total"] < (
+                before["sglang:num_requests_total"] + 2
+            ):
+                await trio.sleep(0.01)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("sglang:num_requests_total") == 2  # the failures are not answers
+    assert delta("sglang:e2e_request_latency_seconds_count") == 2
+    assert delta("sglang:e2e_request_latency_seconds_sum") > 0
+    assert delta("sglang:time_to_first_token_seconds_count") == 1  # the stream's
+    assert delta("sglang:generation_tokens_total") == 0  # the front sees no tokens
+    lines = [r.__dict__["access"] for r in caplog.records if r.name == "tributary.access"]
+    chats = [line for line in lines if line["route"] == "/v1/chat/completions"]
+    assert [(line["status"], line["finish"]) for line in chats] == [
+        (200, "error"),
+        (200, "error"),
+        (200, None),
+        (200, None),
+    ]
+    assert all(line["e2e_latency"] > 0 and not line["disconnected"] for line in chats)
+
+
 async def test_a_client_gone_before_the_relayed_body_starts_closes_the_workers_answer() -> None:
     async with open_fake_fleet() as (fake, front, _):
         asgi = app.create_app(front, testing.server_settings())
@@ -361,3 +431,38 @@ def test_content_given_as_parts_routes_by_its_text() -> None:
 
     assert key(parts("Name three colours.")) == key("Name three colours.")
     assert key(parts("Name three colours.")) != key(parts("Write a haiku."))
+
+
+#: A relayed stream whose content holds the error event's bytes (escaped, so no event), then
+#: an error event.
+ESCAPED = b'data: {"id":1,"choices":[{"delta":{"content":"data: {\\"error\\""}}]}\n\n'
+FAILED = ESCAPED + b'data: {"error":{"message":"x","code":500}}\n\ndata: [DONE]\n\n'
+CLEAN = ESCAPED + b"data: [DONE]\n\n"
+
+
+async def relayed_answered(chunks: list[bytes]) -> bool:
+    """Whether a relayed stream arriving as `chunks` counts as an answer."""
+
+    async def arriving() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    timing = RequestTiming.start().for_item()
+    body = _Relayed(arriving(), AsyncExitStack(), Deadline(None, math.inf), timing)
+    async with body:
+        relayed = [chunk async for chunk in body]
+    assert b"".join(relayed) == b"".join(chunks)  # relayed byte for byte
+    return timing.record().answered
+
+
+async def test_an_error_event_split_across_chunks_fails_the_relayed_answer() -> None:
+    """However the network splits a relayed stream, its error event fails it (split across
+    two chunks, it went unseen and the failure counted as an answer), and escaped bytes in
+    a chunk's content do not."""
+    for at in range(len(FAILED) + 1):
+        assert not await relayed_answered([FAILED[:at], FAILED[at:]]), at
+    assert not await relayed_answered([FAILED[i : i + 1] for i in range(len(FAILED))])
+    assert not await relayed_answered([FAILED[i : i + 5] for i in range(0, len(FAILED), 5)])
+    for at in range(len(CLEAN) + 1):
+        assert await relayed_answered([CLEAN[:at], CLEAN[at:]]), at
+    assert await relayed_answered([CLEAN[i : i + 1] for i in range(len(CLEAN))])

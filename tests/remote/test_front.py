@@ -27,7 +27,7 @@ def untimed(obj: dict[str, Any]) -> dict[str, Any]:
 
 async def test_a_batch_goes_to_one_worker_and_returns_in_order() -> None:
     """As SGLang's gateway sends a batch body to one worker whole: a batch whose items were
-    spread over the workers could take one worker per item down (issue 33)."""
+    spread over the workers could take one worker per item down."""
     async with open_fleet(3) as fleet, httpx.AsyncClient(timeout=30) as client:
         body = {"text": PROMPTS, "sampling_params": greedy(8), "rid": [f"r{i}" for i in range(12)]}
         front = await generate(client, fleet.url, body)

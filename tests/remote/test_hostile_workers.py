@@ -1,4 +1,4 @@
-"""The front under workers that fail it (issues 33 and 34): a worker that dies of a request
+"""The front under workers that fail it: a worker that dies of a request
 (the request is not handed to the next worker), one that answers without end (bounded
 reads, a 502), one that never answers (timeouts), client code in a relayed body (refused),
 and error bodies that never name a worker's URL. The misbehaving workers are raw TCP
@@ -30,7 +30,7 @@ from tributary.engine import EngineConfig, open_engine
 from tributary.engine.remote import RemoteConfig, RemoteEngine, open_remote_engine
 from tributary.engine.remote.wire import AnswerTooLarge, SSEPayloads
 
-# -- a worker on a raw socket ------------------------------------------------------------
+# -- a worker on a raw socket ---------------------------------------------------------------
 
 MODELS = {"object": "list", "data": [{"id": "fake", "object": "model"}]}
 CHUNK = b"a" * 65536
@@ -113,7 +113,7 @@ class RawWorker:
 
     async def drop(self, stream: trio.SocketStream, path: str) -> None:
         """Has the whole request, then the connection closes without a byte: the worker
-        died of it (llguidance crashing the process on a grammar, issue 33)."""
+        died of it (llguidance crashing the process on a grammar)."""
 
     async def silent(self, stream: trio.SocketStream, path: str) -> None:
         await trio.sleep_forever()
@@ -210,7 +210,7 @@ async def requests_seen(client: httpx.AsyncClient, worker_url: str, endpoint: st
 
 
 def assert_names_no_worker(text: str, *urls: str) -> None:
-    """Issue 34 item 10: a client's error body names no worker URL, host or port."""
+    """A client's error body names no worker URL, host or port."""
     for url in urls:
         host_port = url.split("://", 1)[1]
         assert url not in text and host_port not in text, text
@@ -228,7 +228,7 @@ async def upstream_failures(client: httpx.AsyncClient, front: str) -> dict[str, 
 BODY = {"text": "a poison request", "sampling_params": greedy(4)}
 
 
-# -- issue 33: a request that kills its worker is not handed to the next one ----------------
+# -- a request that kills its worker is not handed to the next one --------------------------
 
 
 async def test_a_worker_that_drops_a_request_it_had_does_not_pass_it_on() -> None:
@@ -338,7 +338,7 @@ async def test_a_relayed_chat_that_kills_its_worker_is_not_passed_on() -> None:
         assert front.engine.upstream_failures["dropped"] == 1
 
 
-# -- issue 34 item 6: bounded reads of what a worker sends --------------------------------
+# -- bounded reads of what a worker sends ---------------------------------------------------
 
 
 async def test_an_endless_unary_answer_is_a_502_and_is_read_no_further() -> None:
@@ -413,7 +413,7 @@ def test_sse_reading_is_linear_in_an_unfinished_event() -> None:
             over.feed(chunk)
 
 
-# -- issue 34 item 9: a worker that never answers ------------------------------------------
+# -- a worker that never answers ------------------------------------------------------------
 
 
 async def test_a_worker_that_never_names_its_model_is_given_up_and_skipped() -> None:
@@ -488,7 +488,7 @@ async def test_a_silent_worker_behind_a_chat_relay_is_a_504() -> None:
         assert await requests_seen(client, front.real.url, "/v1/chat/completions") == 0
 
 
-# -- issue 34 item 7: client code is not relayed unless the front says so -----------------
+# -- client code is not relayed unless the front says so ------------------------------------
 
 
 @pytest.mark.parametrize("field", ["custom_logit_processor", "logits_processors"])
@@ -524,7 +524,7 @@ async def test_a_front_started_to_forward_custom_logit_processors_forwards_them(
         assert [b["custom_logit_processor"] for b in bodies] == ["p", "p"]
 
 
-# -- issue 34 items 8 and 10: worker management is the admin's, and so are worker URLs ----
+# -- worker management is the admin's, and so are worker URLs -------------------------------
 
 
 @pytest.mark.parametrize("keys", [{}, {"api_key": "user"}])
@@ -602,7 +602,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# -- a connection that breaks while the request is sent: retried, as ever (issue 33.3) ----
+# -- a connection that breaks while the request is sent: retried, as ever -------------------
 
 
 class ResetWhileSending(RawWorker):
@@ -697,7 +697,7 @@ async def test_a_connection_reset_while_the_body_is_sent_is_retried() -> None:
         }
 
 
-# -- one client request, one worker (issue 33.3: a poison batch kills one worker) ---------
+# -- one client request, one worker (a poison batch kills one worker) -----------------------
 
 POISON_BATCHES = {
     "batch": {"text": ["alpha poison", "zulu poison"], "sampling_params": greedy(4)},
@@ -744,7 +744,7 @@ async def test_a_sibling_of_a_lost_item_is_not_sent_elsewhere() -> None:
         assert live.seen == []
 
 
-# -- a removed worker that had the request: not passed on ---------------------------------
+# -- a removed worker that had the request: not passed on -----------------------------------
 
 
 async def removed_while_held(front: Front, client: httpx.AsyncClient) -> httpx.Response:
@@ -776,7 +776,7 @@ async def test_a_request_a_removed_worker_had_is_not_passed_on() -> None:
         assert await requests_seen(client, front.real.url, "/generate") == 0
 
 
-# -- a worker's big error answer to a relayed chat: cut, its status kept -------------------
+# -- a worker's big error answer to a relayed chat: cut, its status kept --------------------
 
 
 class BigError(RawWorker):

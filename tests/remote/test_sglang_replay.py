@@ -261,8 +261,8 @@ async def test_unary_batch_is_an_array_in_order_each_with_its_own_id() -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="a unary batch with one failing item answers 200 with an error object in that "
-    "item's place (the Rust server's shape, app/errors.py); SGLang's Python server fails the "
-    "whole request: 400 {'error': {'message'}} (asyncio.gather, contract 4)",
+    "item's place (the Rust server's shape, app/sglang/errors.py); SGLang's Python server "
+    "fails the whole request: 400 {'error': {'message'}} (asyncio.gather, contract 4)",
 )
 async def test_a_unary_batch_with_a_failing_item_is_a_400_as_sglangs() -> None:
     answer = await ask(body(["paris", "error-old"], ["a", "b"]))

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .backends import Backend as Backend
+    from .config import BenchConfig as BenchConfig
     from .plots import plot_latency_cdfs as plot_latency_cdfs
     from .plots import plot_throughput_vs_concurrency as plot_throughput_vs_concurrency
     from .report import Result as Result
     from .report import load_result as load_result
     from .report import render_table as render_table
     from .report import write_result as write_result
-    from .runner import BenchConfig as BenchConfig
     from .runner import run_benchmark as run_benchmark
     from .streams import RequestRecord as RequestRecord
     from .workload import Prompt as Prompt
@@ -45,13 +45,13 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Backend": "backends",
+    "BenchConfig": "config",
     "plot_latency_cdfs": "plots",
     "plot_throughput_vs_concurrency": "plots",
     "Result": "report",
     "load_result": "report",
     "render_table": "report",
     "write_result": "report",
-    "BenchConfig": "runner",
     "run_benchmark": "runner",
     "RequestRecord": "streams",
     "Prompt": "workload",

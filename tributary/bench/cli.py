@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .runner import BenchConfig
+    from .config import BenchConfig
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    from .runner import BenchConfig
+    from .config import BenchConfig
 
     return BenchConfig(
         base_url=args.base_url,

@@ -36,7 +36,7 @@ from .streams import RequestRecord
 from .workload import Workload
 
 if TYPE_CHECKING:
-    from .runner import BenchConfig
+    from .config import BenchConfig
 
 __all__ = [
     "METRICS",

@@ -16,13 +16,12 @@ import dataclasses
 import datetime
 import math
 import time
-from collections.abc import Mapping
-from typing import Any, Literal
 
 import httpx
 
 from .arrivals import fixed_concurrency, poisson_arrivals
 from .backends import Backend, send_request
+from .config import BenchConfig
 from .progress import open_progress
 from .report import Result, summarize
 from .streams import RequestRecord
@@ -46,53 +45,6 @@ DEFAULT_ENDPOINTS = {"generate": "/generate", "openai": "/v1/completions"}
 #: as the server closes it fails with a reset (httpx's default expiry is those same 5 s, and 2
 #: of 3 runs of 1,000 requests lost one request that way). Expiring first avoids the race.
 KEEPALIVE_EXPIRY = 1.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    base_url: str = "http://127.0.0.1:30000"
-    backend: Literal["generate", "openai"] = "generate"
-    #: None: /generate, or /v1/completions for `openai` (/v1/chat/completions for chat).
-    endpoint: str | None = None
-    #: The `model` of OpenAI requests; None asks the server's /v1/models for its first.
-    model: str | None = None
-    api_key: str | None = None
-    num_prompts: int = 100
-    input_len: int = 128
-    output_len: int = 64
-    shared_prefix_len: int = 0
-    seed: int = 1
-    #: Build the prompts with this server's tokenizer instead of base_url's.
-    tokenizer_from: str | None = None
-    load_prompts: str | None = None
-    save_prompts: str | None = None
-    #: Requests in flight at most (None: no limit).
-    concurrency: int | None = None
-    #: Poisson arrivals per second (inf: all at once, or as workers free up).
-    request_rate: float = math.inf
-    warmup: int = 1
-    ignore_eos: bool = True
-    temperature: float = 0.0
-    extra_body: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    #: Seconds one request may take before it counts as failed (None: no limit).
-    timeout: float | None = None
-    #: The name this run goes by in plots (default: backend and base URL).
-    label: str | None = None
-    progress: bool = False
-
-    def __post_init__(self) -> None:
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
-        if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be positive, got {self.request_rate}")
-        if self.output_len < 1:
-            raise ValueError(f"output_len must be at least 1, got {self.output_len}")
-        WorkloadSpec(  # the same checks the workload makes, before any request is sent
-            num_prompts=self.num_prompts,
-            input_len=self.input_len,
-            shared_prefix_len=self.shared_prefix_len,
-            warmup=self.warmup,
-        )
 
 
 async def run_benchmark(config: BenchConfig, *, workload: Workload | None = None) -> Result:

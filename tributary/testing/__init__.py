@@ -38,7 +38,7 @@ Helpers (plain functions and classes that need no fixture and work in any Trio c
   real socket closed mid-response), `parse_sse`.
 """
 
-from tributary.engine.core import IdleReport as IdleReport
+from tributary.engine.load import IdleReport as IdleReport
 
 from ._engine import DEFAULT_SIM_LATENCY as DEFAULT_SIM_LATENCY
 from ._engine import assert_engine_idle as assert_engine_idle

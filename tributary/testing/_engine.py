@@ -24,7 +24,7 @@ from tributary.engine import (
     SimLatency,
     open_engine,
 )
-from tributary.engine.core import IdleReport
+from tributary.engine.load import IdleReport
 from tributary.engine.runners.sim import SimRunner
 
 __all__ = [

@@ -1,0 +1,6 @@
+"""Chat messages and the model's chat template, shared by OpenAI's `/v1/chat/completions` and
+SGLang's `/tokenize`: `messages` checks a `messages` list, `template` renders it with the
+GGUF's template into the prompt the model runs.
+"""
+
+from .template import ChatTemplate as ChatTemplate

@@ -1,0 +1,92 @@
+"""A slot's KV cache: snapshots in host memory and back (prefix cache, forks), and the count
+of cells each slot holds.
+
+Synopsis::
+
+    state = runner._snapshot(seq_id)  # LlamaKVState, on the compute thread
+    runner._load(other_seq_id, KVRestore(state, state.n_tokens))
+
+All but `kv_used_cells` run on the compute thread only. `kv_used_cells` may be called from
+the event loop while a decode runs: it reads the count the last job left, never llama.cpp.
+`LlamaKV` is a layer of `LlamaRunner`, which sets `_ctx`, `_memory`, `_slot_cells` and
+`_freeing` when it loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from ...errors import RunnerFailure
+from ..base import KVRestore
+
+__all__ = ["LlamaKV", "LlamaKVState"]
+
+
+class LlamaKVState:
+    """One slot's KV as `llama_state_seq_get_data` wrote it (positions 0 .. n_tokens - 1)."""
+
+    __slots__ = ("data", "n_tokens")
+
+    def __init__(self, data: np.ndarray, n_tokens: int) -> None:
+        self.data = data
+        self.n_tokens = n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class LlamaKV:
+    """Snapshot, restore and count the KV cells of slots."""
+
+    _ctx: Any
+    _memory: Any
+    _slot_cells: dict[int, int]
+    _freeing: set[int]
+
+    def _snapshot(self, seq_id: int) -> LlamaKVState:
+        """The slot's KV in host memory (compute thread only)."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
+        data = np.empty(size, dtype=np.uint8)  # np.empty: no pass to zero it first
+        ptr = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_get_data(self._ctx, ptr, size, seq_id) != size:
+            raise RunnerFailure(f"llama_state_seq_get_data failed for slot {seq_id}")
+        n_tokens = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id) + 1
+        return LlamaKVState(data, n_tokens)
+
+    def _load(self, seq_id: int, restore: KVRestore) -> None:
+        """Put a snapshot into an empty slot, keeping its first `restore.n_tokens` positions
+        (compute thread only). A failure leaves the slot empty and fails the step."""
+        state = restore.state
+        assert isinstance(state, LlamaKVState), "a snapshot from another runner"
+        ptr = state.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self._ctx, ptr, state.nbytes, seq_id) == 0:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+            raise RunnerFailure(f"llama_state_seq_set_data failed for slot {seq_id}")
+        if restore.n_tokens < state.n_tokens:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, restore.n_tokens, -1)
+
+    def kv_used_cells(self) -> int:
+        # The count after the last job, less the slots released since (their removal is
+        # queued behind at most one decode).
+        cells = self._slot_cells
+        return sum(n for slot, n in list(cells.items()) if slot not in self._freeing)
+
+    def _count_kv(self, seq_ids: Iterable[int] | None = None) -> None:
+        """Refresh the per-slot KV counts from llama.cpp (compute thread only): of `seq_ids`,
+        or of every slot. A step refreshes only the slots it computed (not those whose token
+        was decoded ahead: `_decode_ahead` counts them): two calls per slot across the
+        ctypes boundary are not worth spending between one decode and the next."""
+        cells = dict(self._slot_cells)
+        for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)) if seq_ids is None else seq_ids:
+            hi = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
+            if hi >= 0:
+                cells[seq_id] = hi - llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id) + 1
+            else:
+                cells.pop(seq_id, None)
+        self._slot_cells = cells
