@@ -131,12 +131,14 @@ async def test_writes_skip_hypercorns_lock_and_keep_alive_holds(
         assert json.loads(body)["meta_info"]["completion_tokens"] == 4
         response, body = await client.post("/generate", stream_body(text="again"))
         check_stream(body)
+        # Every byte went straight to the socket; Hypercorn's keep-alive bookkeeping still
+        # ran: each request marked the connection busy, each response's end marked it idle
+        # again. The last idle follows its bytes: wait for it while the connection is open
+        # (a client that has closed may be seen first, and then no idle is due).
+        await wait_until(lambda: locked_writes["idle"] == 3)
     finally:
         client.close()
-    # Every byte went straight to the socket; Hypercorn's keep-alive bookkeeping still ran:
-    # each request marked the connection busy, each response's end marked it idle again.
     assert locked_writes["RawData"] == 0
-    await wait_until(lambda: locked_writes["idle"] == 3)  # the last one follows its bytes
     assert locked_writes["busy"] == 3
 
 
