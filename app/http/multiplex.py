@@ -104,7 +104,7 @@ class MultiplexedBody(StreamedBody):
             # Items that waited while the body was writing are taken as they are: the engine
             # has just run (`StreamedBody.__anext__` checkpoints before each chunk), as it
             # would before a channel's receive, so a busy engine's next items have joined.
-            if not self._items and self._unfinished and not self._left and not self._rest:
+            if self.waits_for_chunk():
                 await wait_by(deadline, self._wait)
             if self._rest:  # before anything rendered later
                 rest, self._rest = self._rest, b""
@@ -127,6 +127,11 @@ class MultiplexedBody(StreamedBody):
 
     def _deadline(self) -> float:
         return min((s.deadline for s in self._streams if not s.finished), default=math.inf)
+
+    def waits_for_chunk(self) -> bool:
+        # Exactly when `next_backlog` parks in `_wait` (a yield even past a deadline: the
+        # cancellation is delivered through the run loop).
+        return not self._items and self._unfinished > 0 and not self._left and not self._rest
 
     async def _wait(self) -> None:
         """Until the engine delivers an item (or the wait is cancelled)."""

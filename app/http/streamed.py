@@ -51,6 +51,9 @@ class StreamedBody(ResponseBody):
     #: What failed outside the body's task (at delivery), raised by the body's task instead
     #: of its next chunk.
     _failure: Exception | None = None
+    #: Set by the subclass once `next_chunk` has returned its last chunk (or the body was
+    #: closed): what follows is the end, not a chunk, so `__anext__` does not yield first.
+    _ended = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -66,14 +69,20 @@ class StreamedBody(ResponseBody):
     @final
     async def __anext__(self) -> bytes:
         self._calls += 1
-        # Before anything else: let the engine and the other requests run (and, for a body
-        # fed at delivery, let a busy engine's next items join this chunk).
-        await trio.lowlevel.checkpoint()
+        if not (self._ended or self.waits_for_chunk()):
+            # Before anything else: let the engine and the other requests run (and, for a
+            # body fed at delivery, let a busy engine's next items join this chunk).
+            await trio.lowlevel.checkpoint()
         if self._failure is None:
             chunk = await self.next_chunk()
             if self._failure is None:
                 return chunk
         raise self._failure
+
+    def waits_for_chunk(self) -> bool:
+        """True only when `next_chunk` will park (a yield) before it makes its chunk, so
+        `__anext__` need not checkpoint first. By default False: always checkpoint."""
+        return False
 
     @abstractmethod
     async def next_chunk(self) -> bytes:

@@ -119,3 +119,39 @@ async def test_a_stream_closed_elsewhere_fails_the_body_and_it_does_not_end_as_w
             while True:
                 await body.next_backlog()
     await wait_engine_idle(tributary_engine)  # both requests were aborted
+
+
+async def test_a_multiplexed_body_yields_before_each_chunk_whether_ready_or_awaited() -> None:
+    # The delivery contract (`StreamedBody.__anext__`): a body yields before each chunk. A
+    # multiplexed body whose items already wait yields through `__anext__`'s checkpoint; one
+    # that must wait for delivery yields by parking (`waits_for_chunk`), without the first.
+    sender, receiver = open_output_channel("r0")
+    stream = RequestStream(
+        rid="r0", prompt_tokens=1, receiver=receiver, abort=lambda: None, sender=sender
+    )
+    body = Body([stream])
+    ticks = 0
+
+    async def other_task() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other_task)
+        async with body:
+            sender.send(Frame("r0", "a", [1], 1, 1, 0))  # ready before the body asks
+            with trio.testing.assert_checkpoints():
+                assert await body.__anext__() == b"chunk"
+
+            async def deliver_later() -> None:
+                await trio.lowlevel.checkpoint()
+                sender.send(Frame("r0", "b", [2], 1, 2, 0))
+
+            nursery.start_soon(deliver_later)
+            before = ticks
+            with trio.testing.assert_checkpoints():
+                assert await body.__anext__() == b"chunk"  # parked until delivery
+            assert ticks > before  # the other task ran while it waited
+        nursery.cancel_scope.cancel()
