@@ -56,6 +56,11 @@ bench-serving *ARGS: _ensure-setup
 bench-overhead *ARGS: _ensure-setup
     {{venv}}/bin/python bench/overhead.py {{ARGS}}
 
+# Instructions per request under callgrind, this tree against a git ref (needs valgrind), e.g.
+# `just bench-instructions --base origin/main` (docs/benchmarks/instructions.md).
+bench-instructions *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/instructions.py {{ARGS}}
+
 # What /metrics collection costs: zero-cost sim server with metrics on and off, alternating
 # rounds (docs/benchmarks/metrics-overhead.md).
 bench-metrics *ARGS: _ensure-setup
