@@ -16,6 +16,16 @@ setup:
     {{venv}}/bin/python -m pip install --quiet -e '.[test]'
     touch {{stamp}}
 
+# Layers then go to the GPU (`--n-gpu-layers auto`). CUDA_ARCH picks the GPUs built for (default:
+# the ones in this machine; 90 for H100/H200). AMX stays off, as in bench/peers.py's builds.
+# Rebuild .venv's llama-cpp-python with CUDA (needs nvcc and cmake; ~5 min on 16 cores).
+setup-cuda: _ensure-setup
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native} -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF '-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' '-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" \
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+    {{venv}}/bin/python -m pip install --force-reinstall --no-deps --no-cache-dir \
+        --no-binary llama-cpp-python "llama-cpp-python==$({{venv}}/bin/python -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))')"
+    {{venv}}/bin/python -c 'import llama_cpp; assert llama_cpp.llama_supports_gpu_offload(), "built without a GPU backend"; print("llama.cpp with GPU offload")'
+
 # Run setup only when .venv is missing or pyproject.toml changed since the last install.
 _ensure-setup:
     @if [ ! -f {{stamp}} ] || [ pyproject.toml -nt {{stamp}} ]; then just setup; fi

@@ -5,15 +5,12 @@ Synopsis::
     doc = openapi_document(version="0.1.0")
     doc["paths"]["/generate"]["post"]["requestBody"]
 
-The request bodies' schemas are generated from their declarations (app/sglang/protocol.py,
-app/openai/models.py, app/chat/messages.py, engine.SamplingParamsBody), the same Structs the
-server converts bodies through; paths, responses and errors are written here. Checked three
-ways: `tests/app/test_openapi.py` compares its paths and methods with the app's own `url_map`
-(a route added without a description, or a description left behind by a removed route, fails),
-`tests/app/test_wire_fields.py` compares the request fields with the declarations and
-docs/api.md, and `tests/app/test_schemathesis.py` runs schemathesis against a live server with
-it (no 5xx; statuses, content types and bodies as documented). docs/api.md stays the prose
-reference; field rules that depend on the model (vocabulary, context length) are stated there.
+Request schemas are generated from the Structs bodies are converted through (app/*/models.py,
+app/sglang/protocol.py, app/chat/messages.py, engine.SamplingParamsBody, the embedding bodies);
+the rest is written here (the embedding routes' in openapi_embeddings.py). Checked by tests/app:
+test_openapi.py against the app's `url_map` (a route without a description, or a description
+without a route, fails), test_wire_fields.py against the Structs and docs/api.md (the prose
+reference), test_schemathesis.py against a live server (no 5xx; answers as documented).
 """
 
 from __future__ import annotations
@@ -24,9 +21,12 @@ from quart import Blueprint, Response
 
 from tributary.engine.wire import request_schemas
 
+from .anthropic import REQUIRED, RESPONSES, anthropic_paths
+from .anthropic import SCHEMAS as ANTHROPIC_SCHEMAS
 from .chat.messages import ChatMessage
 from .http.responses import json_response
 from .openai.models import SCHEMAS as OPENAI_SCHEMAS
+from .openapi_embeddings import EMBEDDING_REQUIRED, EMBEDDING_SCHEMAS, embedding_paths
 from .sglang.protocol import SCHEMAS as SGLANG_SCHEMAS
 
 __all__ = ["openapi_blueprint", "openapi_document"]
@@ -72,6 +72,7 @@ def _errors(error: str, *statuses: int) -> dict[str, Any]:
         408: "The request's deadline (--request-timeout, X-Request-Timeout) passed.",
         413: "The body is larger than --max-request-bytes.",
         500: "The model runner failed.",
+        501: "A front (--worker-url) has no model of its own to render this with.",
         503: "The queue is full (with Retry-After) or the server is shutting down.",
     }
     return {str(s): {"description": reasons[s], "content": _json(_ref(error))} for s in statuses}
@@ -389,6 +390,8 @@ def _paths() -> dict[str, Any]:
         "/v1/chat/completions": {
             "post": openai_op("chat completion", "ChatCompletionRequest", "ChatCompletion")
         },
+        **anthropic_paths(_errors, _TIMEOUT_HEADER),
+        **embedding_paths(_errors, _TIMEOUT_HEADER),
         "/v1/models": {
             "get": {
                 "responses": {
@@ -427,12 +430,15 @@ _REQUIRED: dict[str, Schema] = {
     "CompletionRequest": {"required": ["prompt"]},
     "ChatCompletionRequest": {"required": ["messages"]},
     "DetokenizeRequest": {"required": ["tokens"]},
+    **EMBEDDING_REQUIRED,
+    **REQUIRED,
 }
 
 
 def _request_schemas() -> dict[str, Schema]:
     """Every request body's schema, generated from its declaration."""
-    schemas = request_schemas({**SGLANG_SCHEMAS, **OPENAI_SCHEMAS, "ChatMessage": ChatMessage})
+    declared = {**SGLANG_SCHEMAS, **OPENAI_SCHEMAS, **ANTHROPIC_SCHEMAS, **EMBEDDING_SCHEMAS}
+    schemas = request_schemas({**declared, "ChatMessage": ChatMessage})
     for schema in schemas.values():
         _drop_empty_required(schema)
     for name, extra in _REQUIRED.items():
@@ -470,6 +476,7 @@ def openapi_document(*, version: str) -> dict[str, Any]:
                 "Error": _ERROR,
                 "SGLangErrorResponse": _SGLANG_ERROR_RESPONSE,
                 "OpenAIError": _OPENAI_ERROR,
+                **RESPONSES,
                 "Completion": _COMPLETION,
                 "ChatCompletion": _CHAT_COMPLETION,
                 "Model": _MODEL_CARD,

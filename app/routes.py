@@ -6,8 +6,8 @@ Synopsis::
     async with open_http_server(app, settings) as urls: ...     # or app.test_client()
 
 Routes (docs/api.md has the wire details): SGLang's native API (`/generate` and the endpoints
-around it) in `sglang/`; OpenAI's `/v1` in `openai/`; `/openapi.json`, describing them all, in
-`openapi.py`.
+around it) in `sglang/`; OpenAI's `/v1` in `openai/`; Anthropic's `/v1/messages` in `anthropic/`;
+`/openapi.json`, describing them all, in `openapi.py`.
 
 Error handling: a handler raises `engine.EngineError` (or a subclass) for anything wrong with
 a request; one error handler turns it into `{"error": {"message", "code"}}` with the error's
@@ -25,13 +25,18 @@ from quart_trio import QuartTrio
 
 from tributary.engine import EngineClosed, EngineError, EngineService
 
+from .anthropic import (
+    MESSAGES_PATH,
+    anthropic_blueprint,
+    anthropic_error_response,
+)
 from .http.asgi import (
     CloseOwned,
     RefuseAmbiguousLength,
     RefuseWebSockets,
     ShieldFinalSend,
 )
-from .http.auth import bearer_is
+from .http.auth import bearer_is, x_api_key_is
 from .http.direct_send import DirectSend
 from .http.errors import Unauthorized, install_error_handlers
 from .observe.exchange import GENERATION_PATHS, ObserveExchanges, exchange_of
@@ -78,6 +83,7 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
     )
     add_sglang_routes(app, engine, state)
     app.register_blueprint(openai_blueprint(engine, settings, state.capabilities))
+    app.register_blueprint(anthropic_blueprint(engine, settings, state.capabilities))
     app.register_blueprint(openapi_blueprint(version()))
 
     api_key = settings.api_key.encode() if settings.api_key else None
@@ -103,11 +109,11 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
         if request.method == "OPTIONS" or request.path.startswith("/health"):
             return
         if admin_key is not None and request.path in ADMIN_PATHS:
-            if not _bearer_matches([admin_key]):
+            if not _key_matches([admin_key]):
                 raise Unauthorized(
                     "This endpoint changes server state and needs the admin API key."
                 )
-        elif api_key is not None and not _bearer_matches([api_key, admin_key]):
+        elif api_key is not None and not _key_matches([api_key, admin_key]):
             raise Unauthorized()
 
     # Errors of requests that no blueprint routed (unknown /v1 paths, wrong methods, a missing
@@ -120,12 +126,20 @@ def create_app(engine: EngineService, settings: ServerSettings | None = None) ->
 
 
 def _render_by_path(error: EngineError) -> Response:
+    if _is_messages(request.path):
+        return anthropic_error_response(error)
     if request.path.startswith("/v1/"):
         return openai_error_response(error)
     return engine_error_response(error)
 
 
-def _bearer_matches(keys: list[bytes | None]) -> bool:
-    """The request's `Authorization: Bearer` key is one of `keys` (compared in constant
-    time; the scheme name case-insensitively, RFC 7235, the key itself not: `bearer_is`)."""
-    return any(key is not None and bearer_is(key.decode()) for key in keys)
+def _is_messages(path: str) -> bool:
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def _key_matches(keys: list[bytes | None]) -> bool:
+    """The request's `Authorization: Bearer` key, or its `x-api-key` (Anthropic's clients
+    send that; llama-server takes it too), is one of `keys` (`auth.py`: constant time)."""
+    return any(
+        key is not None and (bearer_is(key.decode()) or x_api_key_is(key.decode())) for key in keys
+    )

@@ -12,6 +12,8 @@ Synopsis::
 Lifecycle contract:
 
 - the engine must already be open (its model loaded): nothing serves before it can answer;
+- a chat template that cannot render a one-message chat raises `UnusableChatTemplate` (a
+  ValueError) before anything listens (app/chat/template_check.py);
 - leaving the block normally is a graceful shutdown: `/health` turns 503, the listener
   closes, and in-flight requests get `settings.graceful_timeout` seconds. Early enough for
   a 503 to leave before that deadline (at 80% of it, or two of the slowest recent engine
@@ -42,6 +44,7 @@ from quart_trio import QuartTrio
 from tributary.engine import EngineService
 from tributary.engine.service_nursery import open_service_nursery
 
+from .chat.template_check import check_chat_template
 from .routes import create_app
 from .settings import ServerSettings
 from .state import server_state
@@ -91,6 +94,7 @@ async def open_http_server(
         settings = settings or server_state(app).settings
     else:
         settings = settings or ServerSettings()
+        check_chat_template(engine_or_app)  # UnusableChatTemplate before anything listens
         app = create_app(engine_or_app, settings)
     state = server_state(app)
     shutdown = trio.Event()

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .chat.reasoning import REASONING_PARSER_NAMES
+from .chat.tool_parsers import TOOL_PARSER_NAMES
+
 __all__ = ["ServerSettings"]
 
 
@@ -64,6 +67,12 @@ class ServerSettings:
     #: time to first token, queue, prefill and decode time (docs/operations.md). Off by
     #: default, so responses stay byte-compatible with SGLang's.
     enable_request_timing: bool = False
+    #: `--tool-call-parser`: the format (SGLang's names, `tool_parsers.TOOL_PARSER_NAMES`) in
+    #: which `tool_choice: auto` output is read for tool calls. None: such output is content.
+    tool_call_parser: str | None = None
+    #: `--reasoning-parser`: the format (`reasoning.REASONING_PARSER_NAMES`) whose thinking
+    #: chat responses carry as `reasoning_content`. None: thinking stays in the content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         timeout = self.request_timeout
@@ -73,6 +82,12 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be at least 1, got {self.max_request_bytes}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
+        for name, known in (
+            (self.tool_call_parser, TOOL_PARSER_NAMES),
+            (self.reasoning_parser, REASONING_PARSER_NAMES),
+        ):
+            if name is not None and name not in known:
+                raise ValueError(f"unknown parser {name!r}: expected one of {', '.join(known)}")
 
     @property
     def bind(self) -> str:

@@ -9,7 +9,8 @@ cent whatever else the machine is doing. So this is the before/after check for a
 must not slow the path down; `bench/overhead.py` stays the measure of time.
 
 For each tree (REF, checked out in a temporary git worktree, and this working tree) and each
-shape (`unary:4`: a unary `/generate` of 4 greedy tokens; `stream:N`: a streaming one of N),
+shape (`unary:4`: a unary `/generate` of 4 greedy tokens; `stream:N`: a streaming one of N;
+`v1:N` and `v1-stream:N`: the same on `/v1/completions`),
 a zero-cost sim server (as `bench/overhead.py`'s `tributary` server) runs under
 `valgrind --tool=callgrind --instr-atstart=no`. One keep-alive connection sends 100 warm-up
 requests; instrumentation is switched on for `--requests` sequential requests and off again;
@@ -81,22 +82,32 @@ def shim(tree: Path, into: Path) -> Path:
     return into
 
 
-def requests(port: int, n: int, stream: bool, tokens: int) -> None:
-    """`n` sequential `/generate` requests on one keep-alive connection, each read whole."""
-    body = json.dumps(
-        {
-            "text": "Hi there",
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
-            "stream": stream,
-        }
-    ).encode()
+def request_bytes(kind: str, tokens: int) -> bytes:
+    """One request of a shape: `unary`/`stream` (`/generate`) or `v1`/`v1-stream`
+    (`/v1/completions`), greedy, `tokens` tokens whatever the sim samples (`ignore_eos`)."""
+    stream = kind.endswith("stream")
+    if kind.startswith("v1"):
+        path = "/v1/completions"
+        fields = {"prompt": "Hi there", "max_tokens": tokens, "temperature": 0}
+        body = {**fields, "ignore_eos": True, "stream": stream}
+    else:
+        path = "/generate"
+        sampling = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        body = {"text": "Hi there", "sampling_params": sampling, "stream": stream}
+    data = json.dumps(body).encode()
     head = (
-        f"POST /generate HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n\r\n"
     ).encode()
+    return head + data
+
+
+def requests(port: int, n: int, kind: str, tokens: int) -> None:
+    """`n` sequential requests of a shape on one keep-alive connection, each read whole."""
+    raw = request_bytes(kind, tokens)
     with socket.create_connection(("127.0.0.1", port)) as sock, sock.makefile("rb") as f:
         for _ in range(n):
-            sock.sendall(head + body)
+            sock.sendall(raw)
             status = f.readline()
             if b" 200 " not in status:
                 raise RuntimeError(f"the server answered {status!r}")
@@ -138,10 +149,10 @@ def count(shim_dir: Path, port: int, shape: str, n: int, work: Path) -> int:
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "serving":
             raise RuntimeError(f"the server under valgrind did not start ({shim_dir})")
-        stream, tokens_n = kind == "stream", int(tokens)
-        requests(port, WARMUP, stream, tokens_n)
+        tokens_n = int(tokens)
+        requests(port, WARMUP, kind, tokens_n)
         control(proc.pid, "-i", "on")
-        requests(port, n, stream, tokens_n)
+        requests(port, n, kind, tokens_n)
         control(proc.pid, "-i", "off")
         control(proc.pid, "-d")
         time.sleep(2)  # the dump is written by the server's next scheduling
@@ -251,7 +262,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the git ref to compare against")
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--shapes", nargs="+", default=["unary:4", "stream:16", "stream:64"])
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["unary:4", "stream:16", "stream:64", "v1:4", "v1-stream:16"],
+        help="KIND:TOKENS, KIND one of unary, stream (/generate), v1, v1-stream (/v1/completions)",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         sys.exit("bench/instructions.py needs valgrind (apt install valgrind)")

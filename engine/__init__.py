@@ -38,6 +38,9 @@ from .errors import RunnerFailure as RunnerFailure
 from .errors import WorkerFailure as WorkerFailure
 from .interface import EngineLoad as EngineLoad
 from .interface import EngineService as EngineService
+from .models import DEFAULT_MODEL as DEFAULT_MODEL
+from .models import MODELS as MODELS
+from .models import ModelNotInstalled as ModelNotInstalled
 from .request import HEALTH_CHECK_PREFIX as HEALTH_CHECK_PREFIX
 from .request import TERMINAL as TERMINAL
 from .request import Done as Done

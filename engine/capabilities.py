@@ -1,8 +1,9 @@
 """What an engine can do beyond `EngineService`, and how the app finds out, once.
 
 A local `Engine` has the model's vocabulary (`TokenizerService`) and a prefix cache
-(`CacheService`); a front (`RemoteEngine`) has a fleet of workers (`FleetService`) and hands
-chat completions to them whole (`PassthroughService`). An engine implements only what it has;
+(`CacheService`), and embeds text when its runner can (`EmbeddingService`); a front
+(`RemoteEngine`) has a fleet of workers (`FleetService`) and hands chat completions to them
+whole (`PassthroughService`). An engine implements only what it has;
 the app asks once, when it is created, and answers for what is missing itself.
 
 Synopsis::
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, runtime_checkable
 
+from .embeddings import EmbeddingModel, Vector
 from .errors import NotSupported
 from .interface import EngineService
 from .request import WorkerStats
@@ -32,6 +34,7 @@ __all__ = [
     "NO_TOKENIZER",
     "CacheService",
     "Capabilities",
+    "EmbeddingService",
     "FleetService",
     "PassthroughService",
     "RelayedAnswer",
@@ -66,6 +69,28 @@ class CacheService(Protocol):
     def flush_cache(self) -> bool:
         """Empty it; False (nothing dropped) while requests run or wait, as in SGLang."""
         ...
+
+
+class EmbeddingService(Protocol):
+    """Embeddings of the served model (`engine.embeddings.Embeddings`)."""
+
+    @property
+    def model(self) -> EmbeddingModel: ...
+
+    def check(self, inputs: Sequence[Sequence[int]]) -> None:
+        """BadRequest (400) for inputs it cannot embed, or a model with no pooling type."""
+        ...
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[Vector]:
+        """One unit-length float32 vector per input; BadRequest (400) before computing
+        anything for inputs it cannot embed (or a model with no pooling type)."""
+        ...
+
+
+@runtime_checkable
+class _ProvidesEmbeddings(Protocol):
+    @property
+    def embeddings(self) -> EmbeddingService | None: ...
 
 
 @runtime_checkable
@@ -129,6 +154,8 @@ class Capabilities:
     cache: CacheService | None
     fleet: FleetService | None
     passthrough: PassthroughService | None
+    #: None where the engine computes no embeddings (a front; a runner without them).
+    embeddings: EmbeddingService | None = None
 
     @classmethod
     def of(cls, engine: EngineService) -> Capabilities:
@@ -139,6 +166,7 @@ class Capabilities:
             cache=engine if isinstance(engine, CacheService) else None,
             fleet=engine if isinstance(engine, FleetService) else None,
             passthrough=engine if isinstance(engine, PassthroughService) else None,
+            embeddings=engine.embeddings if isinstance(engine, _ProvidesEmbeddings) else None,
         )
 
 

@@ -33,10 +33,21 @@ from typing import Any, ClassVar, Generic, TypeVar
 import outcome
 import trio
 
-__all__ = ["ComputeThread", "compute_thread"]
+from .grammar import _threads_lock
+
+__all__ = ["STACK_BYTES", "ComputeThread", "compute_thread", "thread_stack_bytes"]
 
 # The name these lines had before the thread left the llama runner: log filters select by it.
 LOGGER = logging.getLogger("tributary.engine.llama")
+
+#: The compute thread's stack, whatever the process's default. llama.cpp's tokenizer matches
+#: many models' pre-tokenizer regex with std::regex, which recurses once per character of a
+#: match: measured with llama.cpp's deepseek-llm vocabulary, a 10,000-letter word overflows a
+#: 2 MiB stack, 40,000 letters overflow 8 MiB, and 64 MiB takes both. A thread's default
+#: stack is RLIMIT_STACK's soft limit (8 MiB on most systems), but 2 MiB under `ulimit -s
+#: unlimited` (glibc's fallback, common in GPU containers) and 128 KiB with musl. Virtual
+#: memory: only the pages a call reaches are committed.
+STACK_BYTES = 64 << 20
 
 _T = TypeVar("_T")
 
@@ -62,7 +73,14 @@ class ComputeThread:
         self._thread = threading.Thread(
             target=self._work, args=(self._jobs,), name="llama-compute", daemon=True
         )
-        self._thread.start()
+        # threading.stack_size is process-wide: set only while this thread starts, under the
+        # lock the grammar compile threads set theirs under.
+        with _threads_lock:
+            previous = threading.stack_size(STACK_BYTES)
+            try:
+                self._thread.start()
+            finally:
+                threading.stack_size(previous)
 
     @staticmethod
     def _work(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
@@ -366,6 +384,27 @@ def _free_orphan(result: outcome.Outcome[_T] | None, orphan: Callable[[_T], obje
         orphan(result.value)
     except Exception:
         LOGGER.exception("freeing an uncollected result failed")
+
+
+def thread_stack_bytes() -> int | None:
+    """The calling thread's stack size in bytes (glibc's `pthread_getattr_np`); None where
+    it cannot be read."""
+    try:
+        libc = ctypes.CDLL(None)
+        getattr_np = libc.pthread_getattr_np
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return None
+    attr = ctypes.create_string_buffer(256)  # pthread_attr_t: 56 bytes on x86-64 glibc
+    libc.pthread_self.restype = ctypes.c_ulong
+    if getattr_np(ctypes.c_ulong(libc.pthread_self()), attr) != 0:
+        return None  # pragma: no cover
+    try:
+        address, size = ctypes.c_void_p(), ctypes.c_size_t()
+        if libc.pthread_attr_getstack(attr, ctypes.byref(address), ctypes.byref(size)) != 0:
+            return None  # pragma: no cover
+        return size.value
+    finally:
+        libc.pthread_attr_destroy(attr)
 
 
 _compute_thread: ComputeThread | None = None

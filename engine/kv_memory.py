@@ -88,16 +88,24 @@ def check_memory(
     available: int | None,
     config: EngineConfig,
     context_length: int,
+    embedding_kv_bytes: int = 0,
 ) -> None:
-    """Raise InsufficientMemory if the model, the KV cache and the prefix cache's bound need
-    more than `available` bytes (None: unknown, nothing is checked)."""
+    """Raise InsufficientMemory if the model, the KV cache (`kv_bytes`, the embedding
+    context's `embedding_kv_bytes` of it included) and the prefix cache's bound need more
+    than `available` bytes (None: unknown, nothing is checked)."""
     need = model_bytes + kv_bytes + prefix_cache_bytes
     if available is None or need <= available:
         return
+    embedding = (
+        f", and {describe_bytes(embedding_kv_bytes)} for embeddings (--embedding-context-length)"
+        if embedding_kv_bytes
+        else ""
+    )
     raise InsufficientMemory(
         f"not enough memory: the model ({describe_bytes(model_bytes)}) plus its KV cache "
         f"({describe_bytes(kv_bytes)}: {config.max_running_requests} slots x "
-        f"{context_length} cells, {config.kv_cache_dtype}) plus the prefix cache's bound "
+        f"{context_length} cells, {config.kv_cache_dtype}{embedding}) plus the prefix "
+        "cache's bound "
         f"({describe_bytes(prefix_cache_bytes)}) need {describe_bytes(need)}, and "
         f"{describe_bytes(available)} is available. Shrink the KV cache with "
         "--context-length, --max-running-requests or --kv-cache-dtype q8_0, or the prefix "

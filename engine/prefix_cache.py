@@ -22,6 +22,12 @@ when the new one comes in. Entries are evicted least recently used first, never 
 pinned; an entry that does not fit beside the pinned ones is not stored. The bound counts
 the snapshots' bytes (`KVState.nbytes`), the memory that matters (about 23 KB a token for
 SmolLM2 at f16).
+
+A model with sliding-window attention (Gemma 3: `window` = 512 positions) breaks the "every
+prefix" rule: llama.cpp's snapshot of a sequence keeps only the last `window` positions of
+its sliding-window layers, so dropping positions past a match leaves the next token without
+part of its window. There an entry serves only its own length, or every prefix if it is no
+longer than the window, and so a longer entry does not replace a shorter one it contains.
 """
 
 from __future__ import annotations
@@ -59,9 +65,12 @@ class PrefixHit:
 class PrefixCache:
     """An LRU of prefix KV snapshots bounded in bytes. Used by the scheduler task only."""
 
-    def __init__(self, *, capacity_bytes: int, chunk: int) -> None:
+    def __init__(self, *, capacity_bytes: int, chunk: int, window: int | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.chunk = chunk
+        #: The model's attention window (positions), or None: every entry serves every
+        #: chunk-aligned prefix of its tokens.
+        self.window = window
         #: Least recently used first; keyed by the hash of all of an entry's tokens.
         self._entries: collections.OrderedDict[bytes, CacheEntry] = collections.OrderedDict()
         #: The hash of every chunk-aligned prefix -> the entries that hold it.
@@ -89,7 +98,9 @@ class PrefixCache:
             holders = self._holders.get(digest)
             if not holders:
                 break  # a longer prefix cannot be held if this one is not
-            best = PrefixHit(self._entries[holders[-1]], end)
+            holder = self._server(holders, end)
+            if holder is not None:
+                best = PrefixHit(holder, end)
         if best is None or best.entry.tokens[: best.n_tokens] != tuple(tokens[: best.n_tokens]):
             return None  # (the second test: a hash collision, never trusted)
         self._touch(best.entry)
@@ -99,7 +110,10 @@ class PrefixCache:
     def holds(self, tokens: Sequence[int]) -> bool:
         """Whether some entry already holds all of `tokens` (chunk-aligned)."""
         hashes = list(self._prefix_hashes(tokens, limit=len(tokens)))
-        return bool(hashes) and hashes[-1][0] == len(tokens) and hashes[-1][1] in self._holders
+        if not hashes or hashes[-1][0] != len(tokens):
+            return False
+        holders = self._holders.get(hashes[-1][1])
+        return holders is not None and self._server(holders, len(tokens)) is not None
 
     def insert(self, tokens: Sequence[int], state: KVState) -> bool:
         """Keep `state`, the KV of `tokens` (a multiple of the chunk long). Evicts least
@@ -109,15 +123,16 @@ class PrefixCache:
             return False
         hashes = [digest for _end, digest in self._prefix_hashes(tokens, limit=len(tokens))]
         key = hashes[-1]
-        if key in self._holders:  # already held, maybe by a longer entry
-            self._touch(self._entries[self._holders[key][-1]])
+        holder = self._server(self._holders.get(key, []), len(tokens))
+        if holder is not None:  # already held, maybe by a longer entry
+            self._touch(holder)
             return False
         # Decide first whether it can fit at all: a refused entry must not cost the cache the
         # entries it would have evicted or replaced.
         pinned = sum(e.nbytes for e in self._entries.values() if e.pins)
         if pinned + state.nbytes > self.capacity_bytes:
             return False
-        for digest in hashes[:-1]:
+        for digest in hashes[:-1] if self._serves_prefixes(len(tokens)) else ():
             shorter = self._entries.get(digest)
             if shorter is not None and not shorter.pins:
                 self._remove(digest)
@@ -147,6 +162,18 @@ class PrefixCache:
         for key in victims:
             self._remove(key)
         return len(victims)
+
+    def _serves_prefixes(self, length: int) -> bool:
+        """Whether an entry of `length` tokens serves its shorter prefixes too."""
+        return self.window is None or length <= self.window
+
+    def _server(self, holders: list[bytes], end: int) -> CacheEntry | None:
+        """The most recently inserted of `holders` that can serve the prefix of `end` tokens."""
+        for key in reversed(holders):
+            entry = self._entries[key]
+            if len(entry.tokens) == end or self._serves_prefixes(len(entry.tokens)):
+                return entry
+        return None
 
     def _touch(self, entry: CacheEntry) -> None:
         self._entries.move_to_end(entry.key)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, TypeAlias, TypeVar, dataclass_transform
 
 from .errors import EngineError
+from .placement import Placement
 from .sampling import SamplingParams
 
 __all__ = [
@@ -210,6 +211,9 @@ class ModelInfo:
     eos_token_id: int | None  # *the* EOS token (what chat templates call eos_token)
     bos_token_id: int | None
     chat_template: str | None
+    #: Where the layers and KV cache went (`/get_server_info`'s `placement`); None for
+    #: engines without local layers (sim, a front).
+    placement: Placement | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,9 +5,13 @@ Synopsis::
     parse_messages([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     # -> [{"role": "user", "content": "Hi"}]
 
-Roles are `system`, `user` and `assistant`; `content` is a string or a list of text parts;
-`name` is kept. Tool calls, tool and function roles, and non-text parts (images, audio) are
-refused with `InvalidRequest` naming the offending field, never dropped.
+Roles are `system` (and OpenAI's `developer`), `user`, `assistant` and `tool`; `content` is a
+string or a list of text parts; `name` is kept. An assistant message may carry `tool_calls`
+(its content may then be null or left out) and `reasoning_content`; a `tool` message needs the
+`tool_call_id` it answers. They reach the template as Hugging Face templates expect them (as
+SGLang passes them): a call's `function.arguments` parsed from its JSON string into an object,
+a null content as "". `function_call`, the `function` role and non-text parts (images, audio)
+are refused with `InvalidRequest` naming the offending field, never dropped.
 
 A message's fields are declared once, in `ChatMessage` (its schema is /openapi.json's
 `ChatMessage`); the messages are converted through it in one call. When one does not convert,
@@ -18,6 +22,7 @@ so the first problem is the one reported.
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Annotated, Any, Literal
 
@@ -28,9 +33,18 @@ from tributary.engine.wire import convert
 
 from ..http.errors import InvalidRequest
 
-__all__ = ["CHAT_ROLES", "MAX_MESSAGES", "ChatMessage", "TextPart", "parse_messages"]
+__all__ = [
+    "CHAT_ROLES",
+    "MAX_MESSAGES",
+    "ChatMessage",
+    "MessageToolCall",
+    "TextPart",
+    "message_list",
+    "parse_messages",
+    "template_tool_call",
+]
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 #: The most messages one chat may hold (OpenAI's and Azure OpenAI's limit; SGLang, vLLM and
 #: llama-server set none). Refused before any is read or templated: rendering and tokenizing
@@ -45,41 +59,62 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: Annotated[
+        str | dict[str, Any], Meta(description="The arguments: a JSON object, as a string.")
+    ]
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """A call an earlier assistant turn made."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     """One chat message; `developer` is OpenAI's newer name for `system`."""
 
     role: Annotated[str, Meta(extra_json_schema={"enum": list(CHAT_ROLES)})]
+    # Declared required so that the usual message converts in one call; a message without
+    # it (an assistant's with tool_calls) converts field by field, as a null.
     content: Annotated[
-        str | list[TextPart],
-        Meta(description="A string, or text parts (joined with newlines)."),
+        str | list[TextPart] | None,
+        Meta(
+            description="A string, or text parts (joined with newlines). May be null or left "
+            "out only in an assistant message."
+        ),
     ]
     name: str | None = None
-    tool_calls: Annotated[Any, Meta(description=_REFUSED)] = None
+    tool_calls: Annotated[
+        list[MessageToolCall] | None, Meta(description="Assistant messages: the calls made.")
+    ] = None
+    tool_call_id: Annotated[
+        str | None, Meta(description="Tool messages (required): the call this answers.")
+    ] = None
+    reasoning_content: Annotated[
+        str | None, Meta(description="Assistant messages: the turn's reasoning, for templates.")
+    ] = None
     function_call: Annotated[Any, Meta(description=_REFUSED)] = None
 
 
 _MESSAGES = list[ChatMessage]
 #: The order a message's faults are reported in (the checks of parse_messages' loop).
-_ORDER = ("role", "tool_calls", "function_call", "content", "name")
-_REFUSABLE = ("tool_calls", "function_call")
+_ORDER = ("role", "function_call", "tool_calls", "content", "name", "tool_call_id")
+_REFUSABLE = ("function_call",)
+_CALL_SHAPE = '{"id", "type": "function", "function": {"name", "arguments"}}'
 
 
-def parse_messages(raw: Any) -> list[dict[str, str]]:
-    """Messages as the chat template sees them: role, content as one string, optional name.
+def parse_messages(raw: Any) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: role, content as one string, optional name,
+    tool calls and tool call id.
 
     Text parts of a list content are joined with newlines, as vLLM does for templates that
     expect string content.
     """
-    if raw is None:
-        raise InvalidRequest("messages is required.", param="messages")
-    if not isinstance(raw, list) or not raw:
-        raise InvalidRequest("messages must be a non-empty list of messages.", param="messages")
-    if len(raw) > MAX_MESSAGES:
-        raise InvalidRequest(
-            f"messages holds {len(raw)} messages; this server takes at most {MAX_MESSAGES} "
-            "in one chat.",
-            param="messages",
-        )
+    raw = message_list(raw)
     try:
         declared: list[ChatMessage] | None = msgspec.convert(raw, _MESSAGES)
     except msgspec.ValidationError:
@@ -104,13 +139,90 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
         # OpenAI's newer name for the system role; chat templates know only "system".
         role = "system" if fields.role == "developer" else fields.role
         content = fields.content
-        if not isinstance(content, str):  # text parts
+        if content is None:
+            if role != "assistant":
+                raise InvalidRequest(
+                    f"{where}.content is required in a {role} message.", param=f"{where}.content"
+                )
+            content = ""  # SGLang's: templates expect a string
+        elif not isinstance(content, str):  # text parts
             content = "\n".join(part.text for part in content)
-        entry = {"role": role, "content": content}
+        entry: dict[str, Any] = {"role": role, "content": content}
         if fields.name is not None:
             entry["name"] = fields.name
+        if fields.tool_calls or fields.tool_call_id is not None or role == "tool":
+            _tool_fields(where, role, fields, entry)
+        if fields.reasoning_content is not None:
+            entry["reasoning_content"] = fields.reasoning_content
         out.append(entry)
     return out
+
+
+def message_list(raw: Any, *, within: str = "chat") -> list[Any]:
+    """`raw` when it is a list of 1 to `MAX_MESSAGES` entries (any API's `messages`), else
+    the 400 saying what is wrong, before any message is read."""
+    if raw is None:
+        raise InvalidRequest("messages is required.", param="messages")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("messages must be a non-empty list of messages.", param="messages")
+    if len(raw) > MAX_MESSAGES:
+        raise InvalidRequest(
+            f"messages holds {len(raw)} messages; this server takes at most {MAX_MESSAGES} "
+            f"in one {within}.",
+            param="messages",
+        )
+    return raw
+
+
+def template_tool_call(call_id: str | None, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A call of an earlier turn as Hugging Face templates read it (`arguments` an object)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_fields(where: str, role: str, fields: ChatMessage, entry: dict[str, Any]) -> None:
+    """A message's `tool_calls` (assistant) or `tool_call_id` (tool), checked into `entry`."""
+    if fields.tool_calls:
+        if role != "assistant":
+            raise InvalidRequest(
+                f"{where}.tool_calls is only allowed in assistant messages.",
+                param=f"{where}.tool_calls",
+            )
+        calls = []
+        for j, call in enumerate(fields.tool_calls):
+            arguments = call.function.arguments
+            if isinstance(arguments, str):
+                arguments = _arguments(f"{where}.tool_calls[{j}].function.arguments", arguments)
+            calls.append(template_tool_call(call.id, call.function.name, arguments))
+        entry["tool_calls"] = calls
+    if role == "tool":
+        if fields.tool_call_id is None:
+            raise InvalidRequest(
+                f"{where}.tool_call_id is required in a tool message: the id of the call it "
+                "answers.",
+                param=f"{where}.tool_call_id",
+            )
+        entry["tool_call_id"] = fields.tool_call_id
+    elif fields.tool_call_id is not None:
+        raise InvalidRequest(
+            f"{where}.tool_call_id is only allowed in tool messages.",
+            param=f"{where}.tool_call_id",
+        )
+
+
+def _arguments(where: str, text: str) -> dict[str, Any]:
+    """SGLang's rule (`parse_tool_call_arguments`), in its words: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidRequest(
+            f"Assistant tool call function.arguments must be valid JSON ({where}).", param=where
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f"Assistant tool call function.arguments must be a JSON object ({where}).",
+            param=where,
+        )
+    return value
 
 
 def _check(where: str, key: str, value: Any) -> None:
@@ -131,8 +243,10 @@ def _fault(where: str, key: str, value: Any) -> Any:
     null)."""
     if key == "role":
         _check(where, key, value)  # not a string: not a role either
-    if key == "name":
-        raise InvalidRequest(f"{where}.name must be a string.", param=f"{where}.name")
+    if key in ("name", "tool_call_id", "reasoning_content"):
+        raise InvalidRequest(f"{where}.{key} must be a string.", param=f"{where}.{key}")
+    if key == "tool_calls":
+        _call_fault(where, value)
     if key == "content" and isinstance(value, list):
         for j, part in enumerate(value):
             try:
@@ -150,4 +264,24 @@ def _fault(where: str, key: str, value: Any) -> Any:
             f"{where}.content must be a string or a list of text parts, got {value!r}.",
             param=f"{where}.content",
         )
-    raise AssertionError(f"no fault message for {key}")  # only these three can fault
+    raise AssertionError(f"no fault message for {key}")  # only these fields can fault
+
+
+def _call_fault(where: str, value: Any) -> None:
+    """The 400 for `tool_calls` that is not a list of OpenAI's call objects: the first entry
+    (and field) that is not."""
+    if not isinstance(value, list):
+        raise InvalidRequest(
+            f"{where}.tool_calls must be a list of {_CALL_SHAPE} objects, got {value!r}.",
+            param=f"{where}.tool_calls",
+        )
+    for j, call in enumerate(value):
+        at = f"{where}.tool_calls[{j}]"
+        try:
+            msgspec.convert(call, MessageToolCall)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(
+                f"{at} must be {_CALL_SHAPE} (function.arguments a JSON string): {exc}.",
+                param=at,
+            ) from None
+    raise AssertionError("tool_calls converted one by one but not whole")

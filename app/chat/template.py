@@ -10,7 +10,10 @@ The environment matches llama-cpp-python's `Jinja2ChatFormatter` (itself aligned
 Hugging Face transformers): a sandboxed `ImmutableSandboxedEnvironment` with `trim_blocks`
 and `lstrip_blocks`, the `loopcontrols` extension, a pass-through `{% generation %}` tag, a
 `tojson` filter that keeps non-ASCII text, and the globals `messages`, `bos_token`,
-`eos_token`, `add_generation_prompt`, `raise_exception` and `strftime_now`. The rendered
+`eos_token`, `add_generation_prompt`, `tools` and `documents` (None unless given),
+`raise_exception` and `strftime_now`. tests/app/test_chat_templates_reference.py checks that
+the templates of Llama 3.x, Qwen 2.5/3, Gemma 3, Mistral, Phi-3.5/4 and SmolLM2 render here
+exactly as transformers' `apply_chat_template` renders them. The rendered
 text is tokenized without adding special tokens, so a template that writes `bos_token` does
 not get a second BOS.
 
@@ -114,46 +117,87 @@ class ChatTemplate:
             eos_token=_token_text(engine, eos_id),
         )
 
-    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """`tools` is Hugging Face's `tools=` (OpenAI's `{"type": "function", "function":
+        {...}}` entries); `extra` the request's `chat_template_kwargs` (and `reasoning_effort`),
+        in scope beside the globals, as `apply_chat_template(**kwargs)` puts them. A template
+        that fails with `tools` is tried once more with the bare function entries (SGLang's
+        fallback: Mistral's templates expect those)."""
         try:
-            return self._template.render(
-                messages=messages,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                add_generation_prompt=add_generation_prompt,
-                raise_exception=_raise_exception,
-                strftime_now=_strftime_now,
-            )
+            try:
+                return self._render(messages, add_generation_prompt, tools, extra)
+            except (jinja2.TemplateError, TypeError, ValueError, _TemplateRaised):
+                if not tools:
+                    raise
+                bare = [tool.get("function", tool) for tool in tools]
+                return self._render(messages, add_generation_prompt, bare, extra)
         except _TemplateRaised as exc:
             raise InvalidRequest(str(exc), param="messages") from None
-        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        except Exception as exc:  # jinja's errors, and Python's (`1 / 0`)
             raise InvalidRequest(
                 f"The model's chat template failed on these messages: {exc}", param="messages"
             ) from None
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        extra: dict[str, Any] | None,
+    ) -> str:
+        context: dict[str, Any] = {**extra} if extra else {}
+        if tools is not None:
+            context["tools"] = tools
+        # As transformers' apply_chat_template: both always defined, None when absent, so a
+        # template's `tools is defined` / `documents is none` read the same as there.
+        context.setdefault("tools", None)
+        context.setdefault("documents", None)
+        return self._template.render(
+            context,
+            messages=messages,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            add_generation_prompt=add_generation_prompt,
+            raise_exception=_raise_exception,
+            strftime_now=_strftime_now,
+        )
 
 
 async def render_prompt_ids(
     template: ChatTemplate,
     tokenizer: TokenizerService,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> list[int]:
     """The ids of `messages` rendered by `template`, tokenized without adding special tokens
     (the template writes them). A short chat is done on the event loop; a long one (up to
     `messages.MAX_MESSAGES`) in a worker thread (`offload.off_loop`), since jinja and the
-    tokenizer take time in proportion to it."""
+    tokenizer take time in proportion to it. `tools` and `extra` as `ChatTemplate.render`
+    takes them (their strings count in the work)."""
 
     def render_and_tokenize() -> list[int]:
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, extra=extra
+        )
         return tokenizer.tokenize(text, add_special=False)
 
-    if len(messages) <= INLINE_MESSAGES and _chat_work(messages) <= INLINE_WORK:
+    work: list[Any] = messages if tools is None and extra is None else [*messages, tools, extra]
+    if len(messages) <= INLINE_MESSAGES and _chat_work(work) <= INLINE_WORK:
         return render_and_tokenize()
     return await off_loop(render_and_tokenize)
 
 
-def _chat_work(messages: list[dict[str, str]]) -> int:
+def _chat_work(messages: list[Any]) -> int:
     """What rendering and tokenizing `messages` costs (`offload.work`): every string the
     template may render (content, name, any other field), and MESSAGE_WORK a message."""
     total = len(messages) * MESSAGE_WORK

@@ -1,18 +1,23 @@
-"""`submit_all`: how both APIs hand the engine the requests one body fans out into.
+"""`submit_all`: how both APIs hand the engine the requests one body fans out into;
+`submit_owned`: the same for a view's request, the streams handed to its exchange.
 
-Ownership: it returns streams the caller must close (the views hand them to the exchange
-with `owned_by_request` before anything can be cancelled).
+Ownership: `submit_all` returns streams the caller must close (the views hand them to the
+exchange with `owned_by_request` before anything can be cancelled); `submit_owned` does that
+hand-over itself, before it returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tributary.engine import EngineService, GenerateRequest, QueueFull, RequestStream
+from tributary.engine import BadRequest, EngineService, GenerateRequest, QueueFull, RequestStream
 
+from ..chat.tools import ToolCalling
+from ..http.errors import InvalidRequest
 from ..http.limits import Deadline
+from ..http.view import ViewRequest
 
-__all__ = ["submit_all"]
+__all__ = ["submit_all", "submit_owned"]
 
 
 async def submit_all(
@@ -51,4 +56,29 @@ async def submit_all(
         raise
     if deadline is not None:
         deadline.bound(streams)
+    return streams
+
+
+async def submit_owned(
+    engine: EngineService,
+    items: Sequence[GenerateRequest],
+    request: ViewRequest,
+    *,
+    tools: ToolCalling | None = None,
+    schemas: str = "",
+) -> list[RequestStream]:
+    """`submit_all` within `request`'s deadline, the streams appended to `request.owned` (the
+    exchange closes them) before anything else can happen. A forced tool call (`tools`) whose
+    grammar the engine cannot compile is a 400 naming `tools` and what the API calls the
+    tools' schemas (`schemas`), not the engine's bare "Invalid json" one."""
+    try:
+        streams = await submit_all(engine, items, request.deadline)
+    except BadRequest as exc:
+        if tools is None or not tools.forced or not str(exc).startswith("Invalid json"):
+            raise
+        raise InvalidRequest(  # the schema is the tools' own: say so
+            f"The tools' {schemas} do not compile into a forced-call grammar: {exc}",
+            param="tools",
+        ) from None
+    request.owned.extend(streams)
     return streams

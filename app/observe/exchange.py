@@ -44,8 +44,18 @@ __all__ = [
 
 LOGGER = logging.getLogger("tributary.access")
 
-#: Routes that start generations (refused while draining; logged even without a request).
-GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+#: Routes that give the engine work: generations and embeddings (refused while draining;
+#: logged even without a request).
+GENERATION_PATHS = frozenset(
+    {
+        "/generate",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/encode",
+    }
+)
 
 #: The status logged and counted for an exchange that ended before any status was sent.
 CLIENT_CLOSED = 499

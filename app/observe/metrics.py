@@ -129,6 +129,7 @@ class Metrics:
         self.generation_tokens = 0
         self.cached_tokens = 0
         self.num_requests = 0
+        self.tool_call_requests = 0
         #: (endpoint, method) and (endpoint, method, status code) -> count
         self.http_requests: dict[tuple[str, str], int] = {}
         self.http_responses: dict[tuple[str, str, str], int] = {}
@@ -145,6 +146,8 @@ class Metrics:
         self.prompt_tokens += record.prompt_tokens
         self.generation_tokens += record.completion_tokens
         self.cached_tokens += record.cached_tokens
+        if record.finish == "tool_calls":
+            self.tool_call_requests += 1
         if record.e2e_latency is not None:
             self.e2e_request_latency.observe(record.e2e_latency)
         if record.queue_time is not None:
@@ -202,6 +205,13 @@ class Metrics:
             counter = CounterMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
             counter.add_metric([model], value)
             yield counter
+        tools = CounterMetricFamily(
+            "tributary:tool_call_requests",
+            "Answers read into tool calls (finish_reason tool_calls, stop_reason tool_use).",
+            labels=["model_name"],
+        )
+        tools.add_metric([model], self.tool_call_requests)
+        yield tools
         yield from self._http_families(model)
         yield from self._gauges(stats, model)
         yield from self._worker_families()

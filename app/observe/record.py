@@ -29,7 +29,8 @@ class RequestRecord(NamedTuple):
     #: As the response reports them; for a request that never finished, what it had produced.
     completion_tokens: int
     cached_tokens: int
-    #: The finish reason's type, "error" for a failure, None if it never finished.
+    #: The finish reason's type, "error" for a failure, None if it never finished;
+    #: "tool_calls" for a stop whose answer was read into tool calls (as the response says).
     finish: str | None
     #: Seconds from the request's start (`RequestTiming.start`); None where it did not happen.
     e2e_latency: float | None

@@ -86,6 +86,8 @@ class RequestTiming:
         self.finish_reason: FinishReason | None = None
         self.failed = False  # ended with an `Error` item
         self.answered = False  # ended with an answer (`RequestRecord.answered`)
+        #: Its answer was read into tool calls (set by the view; `finish` is "tool_calls").
+        self.called_tools = False
         self._last_output_at = 0.0
         self._last_tokens = 0
 
@@ -168,20 +170,29 @@ class RequestTiming:
     def record(self) -> RequestRecord:
         """What this request measured, frozen: final once it has ended, else so far."""
         created = self.created_at
-        reason = self.finish_reason
         return RequestRecord(
             self.rid,
             self.request,
             self.prompt_tokens,
             self.completion_tokens,
             self.cached_tokens,
-            "error" if self.failed else None if reason is None else reason.get("type"),
+            self._finish(),
             None if self.finished_at is None else self.finished_at - created,
             None if self.admitted_at is None else self.admitted_at - created,
             None if self.first_token_at is None else self.first_token_at - created,
             self.answered,
             self.whole,
         )
+
+    def _finish(self) -> str | None:
+        """`RequestRecord.finish`."""
+        if self.failed:
+            return "error"
+        reason = self.finish_reason
+        if reason is None:
+            return None
+        kind: str | None = reason.get("type")
+        return "tool_calls" if self.called_tools and kind == "stop" else kind
 
     @property
     def e2e_latency(self) -> float | None:

@@ -6,11 +6,10 @@ Synopsis::
     usage_object(choices, n=req.n)                   # prompt tokens counted once per prompt
     finish_fields(choices[0].finish_reason)          # {"finish_reason": ..., "matched_stop": ...}
 
-`collect` drains every stream concurrently in one nursery; the result keeps submission order
-(prompt-major: prompt 0's n choices, then prompt 1's, ...). The first failure (an `Error`
-item, or an abort that carries a status code) cancels the other drains, which aborts their
-requests, and is raised. A caller that is cancelled (client gone) leaves every stream's
-`async with`, which aborts each request synchronously.
+`collect` drains every stream (`generation/generated.py: collect_into`); the result keeps
+submission order (prompt-major: prompt 0's n choices, then prompt 1's, ...). The first failure
+(an `Error` item, or an abort that carries a status code) cancels the other drains, which
+aborts their requests, and is raised.
 """
 
 from __future__ import annotations
@@ -19,59 +18,30 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import trio
+from tributary.engine import FinishReason, RequestStream
 
-from tributary.engine import (
-    Done,
-    EngineError,
-    Error,
-    FinishReason,
-    Logprobs,
-    Output,
-    RequestStream,
-    collect_redirected,
-)
-
-from ..http.errors import StatusError, abort_status
+from ..generation.generated import Generated, collect_into
 from ..observe.timing import RequestTiming
 
 __all__ = ["Choice", "collect", "finish_fields", "usage_object"]
 
 
 @dataclasses.dataclass
-class Choice:
-    prompt_tokens: int
-    text: str = ""
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: FinishReason | None = None
-    #: The logprobs each item carried, in order (empty when none were asked for).
-    logprobs: list[Logprobs] = dataclasses.field(default_factory=list)
-
-    def add(self, item: Output) -> EngineError | None:
-        """Fold one engine item in; return the failure it reports, if any."""
-        if isinstance(item, Error):
-            return item.error
-        self.text += item.text
-        self.prompt_tokens = item.prompt_tokens
-        self.completion_tokens = item.completion_tokens
-        self.cached_tokens = item.cached_tokens
-        if item.logprobs is not None:
-            self.logprobs.append(item.logprobs)
-        if isinstance(item, Done):
-            self.finish_reason = item.finish_reason
-            aborted = abort_status(item.finish_reason)
-            if aborted is not None:
-                return StatusError(*aborted)
-        return None
+class Choice(Generated):
+    #: The output was read into tool calls (its `finish_fields` say `tool_calls`).
+    called: bool = False
 
 
-def finish_fields(reason: FinishReason | None) -> dict[str, Any]:
+def finish_fields(reason: FinishReason | None, *, called: bool = False) -> dict[str, Any]:
     """OpenAI's `finish_reason` (`stop`, `length`, `abort`) and SGLang's `matched_stop` (the
-    stop string or token id that ended the choice, else null)."""
+    stop string or token id that ended the choice, else null). A choice that made tool calls
+    (`called`) and stopped finishes with `tool_calls` and no `matched_stop` (SGLang's rule: a
+    call cut short by `length` stays `length`)."""
     if reason is None:
         return {"finish_reason": None, "matched_stop": None}
     kind = reason.get("type")
+    if called and kind == "stop":
+        return {"finish_reason": "tool_calls", "matched_stop": None}
     matched = reason.get("matched") if kind == "stop" else None
     return {"finish_reason": kind, "matched_stop": matched}
 
@@ -99,26 +69,5 @@ async def collect(
     """`timings[i]`, when given, observes choice i's items as they arrive (their exchange
     counts them in /metrics only if every one answered: a failure fails the whole response)."""
     choices = [Choice(prompt_tokens=s.prompt_tokens) for s in streams]
-    failures: list[EngineError | None] = [None] * len(streams)
-
-    async def drain(i: int, cancel_scope: trio.CancelScope) -> None:
-        timing = timings[i] if timings is not None else None
-
-        def take(_index: int, item: Output) -> bool:  # in the scheduler, at delivery
-            if timing is not None:
-                timing.observe(item)
-            failures[i] = choices[i].add(item)
-            return failures[i] is not None
-
-        async with streams[i]:  # closing aborts it unless it has ended
-            await collect_redirected([streams[i]], take)
-        if failures[i] is not None:
-            cancel_scope.cancel()  # one choice's failure fails the response: stop the others
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(streams)):
-            nursery.start_soon(drain, i, nursery.cancel_scope)
-    for failure in failures:
-        if failure is not None:
-            raise failure
+    await collect_into(streams, choices, timings)
     return choices

@@ -31,10 +31,9 @@ from quart import Response
 from tributary.engine import Done, Frame
 from tributary.engine.offload import detokenize_all
 
-from ..generation import submit_all
-from ..http.limits import Deadline
+from ..generation import submit_owned
 from ..http.responses import json_response
-from ..observe.exchange import Exchange
+from ..http.view import ViewRequest
 from ..observe.timing import RequestTiming
 from .choices import Choice, collect, finish_fields, usage_object
 from .logprobs import CompletionLogprobs, merge_completion_logprobs
@@ -46,26 +45,18 @@ from .timings import llama_timings
 __all__ = ["create_completion"]
 
 
-async def create_completion(
-    served: ServedModel,
-    body: Any,
-    owned: list[Any],
-    exchange: Exchange | None = None,
-    *,
-    deadline: Deadline | None = None,
-) -> Response:
-    """Raises `engine.EngineError` (OpenAI-shaped by the blueprint) before the first byte;
-    past `deadline`, a 408 (the status, or a stream's error event)."""
-    engine = served.engine
+async def create_completion(served: ServedModel, request: ViewRequest) -> Response:
+    """n choices per prompt (the `ViewRequest` contract), answered whole or as chunks."""
     req = parse_completion(
-        body, vocab_size=engine.model_info.vocab_size, max_logprobs=served.max_logprobs
+        request.body,
+        vocab_size=served.engine.model_info.vocab_size,
+        max_logprobs=served.max_logprobs,
     )
     served.check_model(req.model)
     served.check_max_tokens(req)
-    timing = RequestTiming.start(exchange, whole=True)  # any choice's failure fails it all
+    timing = RequestTiming.start(request.exchange, whole=True)  # any choice's failure fails it all
     items = served.expand(req.prompts, req)
-    streams = await submit_all(engine, items, deadline)
-    owned.extend(streams)
+    streams = await submit_owned(served.engine, items, request)
     # After submitting: a prompt too long for the context is refused before its ids are
     # read back (and a long list is read off the event loop).
     echoes = await _echoes(served, req) if req.echo else None

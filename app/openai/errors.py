@@ -6,7 +6,7 @@ The hierarchy (engine errors keep their statuses; `http.errors` adds `InvalidReq
     engine.EngineError                     status from the engine (400, 503, 500)
     ├── engine.BadRequest                  400
     │   └── http.errors.InvalidRequest     400  a body is wrong; knows the offending `param`
-    │       └── NoChatTemplate             400  the model has no chat template
+    │       └── chat.served.NoChatTemplate 400  the model has no chat template
     └── ModelNotFound                      404  `model` names a model this server does not serve
 
 Body shape, as OpenAI sends it (`openai` turns it into `APIStatusError` subclasses by status)::
@@ -28,25 +28,14 @@ from quart import Response
 
 from tributary.engine import ContextLengthExceeded, EngineError, QueueFull
 
-from ..http.errors import InvalidRequest, Unauthorized
+from ..http.errors import Unauthorized
 from ..http.responses import json_response
 
 __all__ = [
     "ModelNotFound",
-    "NoChatTemplate",
     "openai_error_object",
     "openai_error_response",
 ]
-
-
-class NoChatTemplate(InvalidRequest):
-    def __init__(self) -> None:
-        super().__init__(
-            "This model has no chat template (its GGUF has no tokenizer.chat_template), so "
-            "/v1/chat/completions cannot build a prompt from messages. Use /v1/completions "
-            "with a prompt you format yourself.",
-            param="messages",
-        )
 
 
 class ModelNotFound(EngineError):

@@ -132,10 +132,75 @@ class CompletionBody(OpenAIBody, kw_only=True):
     ] = None
 
 
+_FUNCTION = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "description": {"type": "string"},
+        "parameters": {"type": "object"},
+        "strict": {"type": "boolean"},
+    },
+    "required": ["name"],
+}
+
+
 class ChatBody(OpenAIBody, kw_only=True):
-    tools: Annotated[Any, _doc(_UNSUPPORTED)] = None
+    tools: Annotated[
+        Any,
+        _doc(
+            "Functions the model may call: [{'type': 'function', 'function': {'name', "
+            "'description', 'parameters' (a JSON Schema), 'strict'}}].",
+            type="array",
+            items={
+                "type": "object",
+                "properties": {"type": {"enum": ["function"]}, "function": _FUNCTION},
+                "required": ["function"],
+            },
+            examples=[[{"type": "function", "function": {"name": "get_weather"}}]],
+        ),
+    ] = None
     functions: Annotated[Any, _doc(_UNSUPPORTED)] = None
-    tool_choice: Annotated[Any, _doc(_UNSUPPORTED + " Null, 'none' and 'auto' are none.")] = None
+    tool_choice: Annotated[
+        Any,
+        _doc(
+            "'none', 'auto' (the default with tools), 'required', or {'type': 'function', "
+            "'function': {'name'}}: required and a named function constrain the output to calls.",
+            anyOf=[
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "properties": {
+                        "type": {"enum": ["function"]},
+                        "function": {
+                            "type": "object",
+                            "properties": {"name": {"type": "string"}},
+                            "required": ["name"],
+                        },
+                    },
+                    "required": ["function"],
+                },
+                {"type": "null"},
+            ],
+        ),
+    ] = None
+    parallel_tool_calls: Annotated[bool | None, _doc("False: at most one call (default true).")] = (
+        None
+    )
+    chat_template_kwargs: Annotated[
+        dict[str, Any] | None, _doc("Passed to the chat template, e.g. {'enable_thinking': false}.")
+    ] = None
+    reasoning_effort: Annotated[
+        str | float | None,
+        _doc(
+            "SGLang's: 'none', 'minimal', 'low', 'medium', 'high', 'xhigh', 'max' or a number in "
+            "[0, 0.99]; passed to the template, and 'none' turns thinking off.",
+            examples=["low"],
+        ),
+    ] = None
+    separate_reasoning: Annotated[
+        bool | None,
+        _doc("With --reasoning-parser: split thinking into reasoning_content (default true)."),
+    ] = None
     function_call: Annotated[Any, _doc(_UNSUPPORTED + " Null, 'none' and 'auto' are none.")] = None
     audio: Annotated[Any, _doc(_UNSUPPORTED)] = None
     modalities: Annotated[Any, _doc(_UNSUPPORTED + " ['text'] is none.")] = None

@@ -50,10 +50,12 @@ from tributary.engine import BadRequest, LogprobRequest, SamplingParams
 from tributary.engine.wire import Pending, convert_pending
 
 from ..chat.messages import parse_messages
+from ..chat.tools import OutputSetup, ReasoningSetup, ToolCalling
 from ..generation import check_rid
 from ..http.errors import InvalidRequest
 from .models import MAX_TOP_LOGPROBS, SAMPLING_KEYS, ChatBody, CompletionBody, OpenAIBody
 from .response_format import GRAMMAR_CONFLICT, response_format_schema
+from .tools import parse_reasoning_effort, parse_tool_choice, parse_tools
 
 __all__ = [
     "ChatRequest",
@@ -65,6 +67,12 @@ __all__ = [
 
 #: OpenAI's default `max_tokens` for /v1/completions.
 COMPLETION_MAX_TOKENS = 16
+
+#: A forced call is a grammar of its own (SGLang ignores its tool constraint, with a warning).
+FORCED_CONFLICT = (
+    "tool_choice 'required' or a named function constrains the output to tool calls; it "
+    "cannot be combined with response_format, regex, ebnf or json_schema."
+)
 
 
 def _set(value: Any) -> bool:
@@ -82,9 +90,7 @@ _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
 }
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     **_UNSUPPORTED_COMMON,
-    "tools": _set,
     "functions": _set,
-    "tool_choice": lambda v: v not in (None, "none", "auto"),
     "function_call": lambda v: v not in (None, "none", "auto"),
     "audio": _set,
     "modalities": lambda v: v is not None and v != ["text"],
@@ -117,10 +123,17 @@ class CompletionRequest(OpenAIRequest):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChatRequest(OpenAIRequest):
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    #: What the request asked of tools (None: it declared none and chose none).
+    tools: ToolCalling | None = None
+    #: `chat_template_kwargs` and `reasoning_effort`, for the template (None: none).
+    template_extra: dict[str, Any] | None = None
+    #: How the output is read for calls and reasoning; None on the plain path.
+    output: OutputSetup | None = None
 
 
 _STRING, _BOOLEAN, _INTEGER = (str, "a string"), (bool, "a boolean"), (int, "an integer")
+_OBJECT = (dict, "an object")
 #: The fields this layer words a type fault of: key -> (their JSON type, its name).
 _KINDS = {
     "model": _STRING,
@@ -129,6 +142,9 @@ _KINDS = {
     "user": _STRING,
     "stream": _BOOLEAN,
     "echo": _BOOLEAN,
+    "parallel_tool_calls": _BOOLEAN,
+    "separate_reasoning": _BOOLEAN,
+    "chat_template_kwargs": _OBJECT,
     "max_tokens": _INTEGER,
     "max_completion_tokens": _INTEGER,
 }
@@ -156,6 +172,11 @@ def _completion_words(key: str, value: Any, most: int = MAX_TOP_LOGPROBS) -> Any
 def _chat_words(key: str, value: Any, most: int = MAX_TOP_LOGPROBS) -> Any:
     if key == "logprobs":
         return InvalidRequest(f"logprobs must be a boolean, got {value!r}.", param=key)
+    if key == "reasoning_effort":
+        try:
+            parse_reasoning_effort(value)
+        except InvalidRequest as exc:
+            return exc
     return _words(key, value, most, counts=("top_logprobs",))
 
 
@@ -179,18 +200,31 @@ def parse_completion(
     return CompletionRequest(prompts=_prompts(body.prompt), echo=echo, logprobs=logprobs, **common)
 
 
-def parse_chat(raw: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROBS) -> ChatRequest:
+def parse_chat(
+    raw: Any,
+    *,
+    vocab_size: int,
+    max_logprobs: int = MAX_TOP_LOGPROBS,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> ChatRequest:
+    """`tool_call_parser`, `reasoning_parser`: the server's (`--tool-call-parser`,
+    `--reasoning-parser`)."""
     body, pending = convert_pending(_object(raw), ChatBody, _chat_words)
     _reject_unsupported(body, _UNSUPPORTED_CHAT)
     messages = parse_messages(body.messages)
+    tools, extra, output = _tools_and_reasoning(body, pending, tool_call_parser, reasoning_parser)
+    forced = tools.constraint() if tools is not None and tools.forced else None
+    # SGLang keeps special tokens whenever tools are on: call markers may be special tokens.
+    keep_special = tools is not None and tools.choice != "none" and "skip_special_tokens" not in raw
+    max_tokens: int | None
     if body.max_completion_tokens is not None:
-        max_completion_tokens = body.max_completion_tokens
-        common = _common(
-            body, pending, raw, max_completion_tokens, "max_completion_tokens", vocab_size
-        )
+        max_key, max_tokens = "max_completion_tokens", body.max_completion_tokens
     else:
-        max_tokens = None if body.max_tokens is UNSET else body.max_tokens
-        common = _common(body, pending, raw, max_tokens, "max_tokens", vocab_size)
+        max_key, max_tokens = "max_tokens", None if body.max_tokens is UNSET else body.max_tokens
+    common = _common(
+        body, pending, raw, max_tokens, max_key, vocab_size, forced, keep_special=keep_special
+    )
     pending.raise_for("logprobs")
     wanted = bool(body.logprobs)
     top = _top_count(pending, "top_logprobs", body.top_logprobs, max_logprobs)
@@ -199,7 +233,53 @@ def parse_chat(raw: Any, *, vocab_size: int, max_logprobs: int = MAX_TOP_LOGPROB
             "top_logprobs can only be set when logprobs is true.", param="top_logprobs"
         )
     logprobs = LogprobRequest(top_n=top or 0) if wanted else None
-    return ChatRequest(messages=messages, logprobs=logprobs, **common)
+    return ChatRequest(
+        messages=messages,
+        logprobs=logprobs,
+        tools=tools,
+        template_extra=extra,
+        output=output,
+        **common,
+    )
+
+
+def _tools_and_reasoning(
+    body: ChatBody, pending: Pending, tool_call_parser: str | None, reasoning_parser: str | None
+) -> tuple[ToolCalling | None, dict[str, Any] | None, OutputSetup | None]:
+    """The request's tools, the template's extra variables and how its output is read (None,
+    None, None for a plain chat on a server without a reasoning parser)."""
+    if (
+        body.tools is None
+        and body.tool_choice is None
+        and body.reasoning_effort is None
+        and not body.chat_template_kwargs
+        and body.parallel_tool_calls is None
+        and body.separate_reasoning is None
+        and reasoning_parser is None
+    ):
+        return None, None, None  # the plain path: nothing to read (a type fault is not None)
+    tools = parse_tools(body.tools)
+    choice = parse_tool_choice(body.tool_choice, tools)
+    pending.raise_for("parallel_tool_calls")
+    parallel = body.parallel_tool_calls is not False
+    calling = ToolCalling(tuple(tools), choice, parallel, tool_call_parser) if tools else None
+    pending.raise_for("reasoning_effort")
+    effort = parse_reasoning_effort(body.reasoning_effort)
+    pending.raise_for("chat_template_kwargs")
+    kwargs = dict(body.chat_template_kwargs or {})
+    if "reasoning_effort" in kwargs:  # SGLang moves it to the request's field
+        effort = parse_reasoning_effort(kwargs.pop("reasoning_effort"))
+    elif effort is not None:  # SGLang: "none" turns thinking off unless the kwargs say
+        kwargs.setdefault("thinking", effort != "none")
+        kwargs.setdefault("enable_thinking", effort != "none")
+    extra = {"reasoning_effort": effort, **kwargs} if effort is not None else kwargs
+    pending.raise_for("separate_reasoning")
+    reasoning = None
+    if reasoning_parser is not None and body.separate_reasoning is not False:
+        thinking = all(extra.get(key) is not False for key in ("enable_thinking", "thinking"))
+        reasoning = ReasoningSetup(reasoning_parser, thinking=thinking)
+    output = OutputSetup(calling, reasoning)
+    return calling, extra or None, output if output.active else None
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -235,8 +315,13 @@ def _common(
     max_tokens: int | None,
     max_key: str,
     vocab_size: int,
+    forced: str | None = None,
+    *,
+    keep_special: bool = False,
 ) -> dict[str, Any]:
-    """What both endpoints take; `sent` is the body as sent (which keys it has)."""
+    """What both endpoints take; `sent` is the body as sent (which keys it has). `forced`:
+    the forced-call schema (chat's tool_choice), a json_schema no other constraint may join;
+    `keep_special`: skip_special_tokens off."""
     pending.raise_for("model")
     pending.raise_for(max_key)
     if max_tokens is not None and max_tokens < 0:
@@ -250,6 +335,12 @@ def _common(
         if raw.get("json_schema"):
             raise InvalidRequest(GRAMMAR_CONFLICT, param="response_format")
         raw["json_schema"] = schema
+    if forced is not None:
+        if schema is not None or any(raw.get(k) for k in ("json_schema", "regex", "ebnf")):
+            raise InvalidRequest(FORCED_CONFLICT, param="tool_choice")
+        raw["json_schema"] = forced
+    if keep_special:
+        raw["skip_special_tokens"] = False
     sampling = SamplingParams.from_dict(raw)
     sampling.verify(vocab_size)
     pending.raise_for("stream")

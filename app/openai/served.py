@@ -1,11 +1,12 @@
 """`ServedModel`: what `/v1` knows about the one model it serves, and the checks every
-generation request passes before anything is submitted.
+generation request passes before anything is submitted (the API-neutral ones are
+`chat/served.py: ServedChatModel`'s).
 
 Synopsis::
 
-    served = ServedModel.for_engine(eng)
+    served = ServedModel.for_engine(eng, settings)
     served.check_model(req.model)              # ModelNotFound (404) for another name
-    served.check_max_tokens(req.sampling)      # SGLang's "max_completion_tokens is too large"
+    served.check_max_tokens(req)               # SGLang's "max_completion_tokens is too large"
     items = served.expand(prompts, req)        # prompt-major GenerateRequests, n per prompt
 """
 
@@ -18,20 +19,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import jinja2
+from tributary.engine import Capabilities, GenerateRequest
 
-from tributary.engine import (
-    Capabilities,
-    EngineService,
-    GenerateRequest,
-    PassthroughService,
-    TokenizerService,
-)
-
-from ..chat.template import ChatTemplate
+from ..chat.served import ServedChatModel
 from ..generation import check_fan_out, seeded_sample
-from ..http.errors import InvalidRequest
-from .errors import ModelNotFound, NoChatTemplate
+from ..settings import ServerSettings
+from .errors import ModelNotFound
 from .logprobs import TokenSpeller
 from .protocol import OpenAIRequest
 
@@ -41,19 +34,12 @@ LOGGER = logging.getLogger("tributary.openai")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ServedModel:
-    engine: EngineService
-    #: The engine's vocabulary; a front's answers each call with its 501 (`Capabilities`).
-    tokenizer: TokenizerService
-    #: A front's: chat completions go to a worker whole (the template and tokenizer are the
-    #: workers'). None with a model of its own.
-    passthrough: PassthroughService | None
-    #: `--served-model-name`; without it the engine's model name, read at each use (a front
-    #: serving from workers learns it once a worker answers).
-    served_model_name: str | None
+class ServedModel(ServedChatModel):
+    chat_path = "/v1/chat/completions"
+    logger = LOGGER
+
     #: Unix time the API started serving it (OpenAI's model card `created`).
     created: int
-    template: ChatTemplate | None
     #: How logprob entries spell token ids.
     speller: TokenSpeller
     #: Responses carry a `timings` object (`enable_request_timing`).
@@ -62,43 +48,13 @@ class ServedModel:
     max_logprobs: int = 20
 
     @classmethod
-    def for_engine(
-        cls,
-        engine: EngineService,
-        capabilities: Capabilities | None = None,
-        *,
-        timing_detail: bool = False,
-        max_logprobs: int = 20,
-    ) -> ServedModel:
-        """Look the model up once (`capabilities`: the engine's, if the app already asked). A
-        template that does not compile is logged and treated as absent, so chat answers a
-        clear 400 instead of failing on every request."""
-        info = engine.model_info
-        capabilities = capabilities or Capabilities.of(engine)
-        try:
-            template = ChatTemplate.for_engine(engine)
-        except jinja2.TemplateError as exc:
-            LOGGER.error("the chat template of %s does not compile: %s", info.name, exc)
-            template = None
-        return cls(
-            engine=engine,
-            tokenizer=capabilities.tokenizer,
-            passthrough=capabilities.passthrough,
-            served_model_name=engine.config.served_model_name,
-            created=int(time.time()),
-            template=template,
-            speller=TokenSpeller(capabilities.tokenizer),
-            timing_detail=timing_detail,
-            max_logprobs=max_logprobs,
-        )
-
-    @property
-    def name(self) -> str:
-        return self.served_model_name or self.engine.model_info.name
-
-    @property
-    def context_length(self) -> int:
-        return self.engine.model_info.context_length
+    def api_fields(cls, settings: ServerSettings, capabilities: Capabilities) -> dict[str, Any]:
+        return {
+            "created": int(time.time()),
+            "speller": TokenSpeller(capabilities.tokenizer),
+            "timing_detail": settings.enable_request_timing,
+            "max_logprobs": settings.max_logprobs,
+        }
 
     def card(self) -> dict[str, Any]:
         return {
@@ -111,27 +67,14 @@ class ServedModel:
             "max_model_len": self.context_length,
         }
 
-    def check_model(self, model: str | None) -> None:
-        """A request may omit `model` (the served one is meant); any other name is a 404."""
-        if model is not None and model != self.name:
-            raise ModelNotFound(model)
+    def model_not_found(self, model: str) -> ModelNotFound:
+        return ModelNotFound(model)
 
     def check_max_tokens(self, req: OpenAIRequest) -> None:
-        """SGLang's check, before tokenization: a completion budget beyond the whole context
-        can never be met. (A budget that does not fit beside the prompt is the engine's
-        "Requested token count exceeds ..." 400.)"""
-        max_new = req.sampling.max_new_tokens
-        if max_new is not None and max_new > self.context_length:
-            raise InvalidRequest(
-                f"max_completion_tokens is too large: {max_new}. This model supports at most "
-                f"{self.context_length} completion tokens.",
-                param="max_tokens",
-            )
-
-    def chat_template(self) -> ChatTemplate:
-        if self.template is None:
-            raise NoChatTemplate()
-        return self.template
+        """SGLang's check and words (`check_budget`)."""
+        self.check_budget(
+            req.sampling.max_new_tokens, field="max_completion_tokens", limit="completion tokens"
+        )
 
     def expand(
         self, prompts: Sequence[str | list[int]], req: OpenAIRequest

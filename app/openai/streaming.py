@@ -111,6 +111,8 @@ class ChunkStreamBody(MultiplexedBody):
                     return self._events([*chunks, openai_error_object(failure)]) + DONE
                 assert not isinstance(item, Error)  # add() reports every Error as a failure
                 rendered = self._renderer.on_output(index, item, choice)
+                if choice.called and self._timings is not None:
+                    self._timings[index].called_tools = True
                 if (
                     isinstance(item, Done)
                     and not self._renderer.include_usage

@@ -118,6 +118,8 @@ def admin_blueprint(engine: EngineService, state: ServerState) -> Blueprint:
                 "max_total_num_tokens": stats.kv_total_cells,
                 "max_req_input_len": info.context_length - 1,
                 "internal_states": [dataclasses.asdict(stats)],
+                # Where the layers and KV cache went (null: no local model, or sim).
+                "placement": info.placement.as_json() if info.placement else None,
                 "version": version(),
             }
         )

@@ -1,8 +1,9 @@
 """`add_sglang_routes`: SGLang's native API, `/generate` and the endpoints around it.
 
-Routes (docs/api.md has the wire details): `/generate` (POST, PUT) here; the endpoints around
-it (`/health`, `/get_model_info`, `/abort_request`, ...) in `admin.py`; `/tokenize` and
-`/detokenize` in `tokenize.py`.
+Routes (docs/api.md has the wire details): `/generate` and `/encode` (POST, PUT) here (the
+latter's body and answer in `encode.py`); the endpoints around it (`/health`,
+`/get_model_info`, `/abort_request`, ...) in `admin.py`; `/tokenize` and `/detokenize` in
+`tokenize.py`.
 
 Errors: a view raises `engine.EngineError` (or a subclass) for anything wrong with a request;
 the app's handlers (`app/routes.py`) answer it in SGLang's shape, `errors.py`.
@@ -20,6 +21,7 @@ from ..http.body import read_within_deadline
 from ..observe.exchange import exchange_of
 from ..state import ServerState
 from .admin import admin_blueprint
+from .encode import handle_encode
 from .generate import handle_generate
 from .tokenize import tokenize_blueprint
 
@@ -47,5 +49,27 @@ def add_sglang_routes(app: Quart, engine: EngineService, state: ServerState) -> 
         )
 
     app.add_url_rule("/generate", view_func=generate, methods=["POST", "PUT"])
+
+    caps = state.capabilities
+    no_embeddings = (
+        "This server fronts a fleet of workers and relays /v1/embeddings to them; call "
+        "/encode on a worker."
+        if caps.passthrough is not None
+        else "This engine does not compute embeddings: its runner has none."
+    )
+
+    async def encode() -> Response:
+        body, deadline = await read_within_deadline(settings)
+        return await handle_encode(
+            caps.embeddings,
+            tokenizer,
+            body,
+            exchange_of(request.scope),
+            model_name=engine.model_info.name,
+            deadline=deadline,
+            unavailable=no_embeddings,
+        )
+
+    app.add_url_rule("/encode", view_func=encode, methods=["POST", "PUT"])
     app.register_blueprint(admin_blueprint(engine, state))
     app.register_blueprint(tokenize_blueprint(engine, tokenizer))

@@ -226,7 +226,11 @@ class DecodesRuns(Protocol):
 class ReusesKV(Protocol):
     """A runner whose `step` takes `SeqStep.restore`, `save` and `fork_from` (said with a
     true `reuses_kv` attribute). The engine runs its prefix cache and forks parallel samples
-    only for such runners; others prefill every prompt, as before."""
+    only for such runners; others prefill every prompt, as before.
+
+    A runner whose snapshots keep only the last N positions of some layers (sliding-window
+    attention) says so with a `kv_window = N` attribute: the prefix cache then restores a
+    snapshot only whole, or cut short if it is no longer than N (engine/prefix_cache.py)."""
 
     reuses_kv: bool
 

@@ -21,6 +21,7 @@ Synopsis::
 - Logits, for the hooks (logprobs, custom logit processors): every token has logit 0 but the
   one the sim would pick, which has `SIM_PICK_LOGIT`; if a hook (a mask, a bias, a processor)
   leaves another token higher, the highest is sampled. Prompt positions score as all-zero rows.
+- Embeddings (`sim_embed.py`): sim-only fake vectors, a fixed function of the token ids.
 
 It is never used unless asked for by name (`runner="sim"`).
 """
@@ -39,6 +40,7 @@ from ..errors import RunnerFailure
 from ..request import ModelInfo
 from ..sampling import SamplingParams
 from .base import DecodeRun, KVRestore, RunFeed, SeqStep, nothing_decoded
+from .sim_embed import SimEmbeddings
 
 __all__ = ["SimRunner"]
 
@@ -50,7 +52,7 @@ _ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
 SIM_PICK_LOGIT = 5.0
 
 
-class SimRunner:
+class SimRunner(SimEmbeddings):
     reuses_kv = True
 
     def __init__(
@@ -60,6 +62,7 @@ class SimRunner:
         latency: SimLatency | None = None,
         fail_at_step: int | None = None,
         kv_bytes_per_token: int = 1024,
+        chat_template: str | None = None,
     ) -> None:
         self.info = ModelInfo(
             name="sim",
@@ -70,7 +73,7 @@ class SimRunner:
             eos_token_ids=frozenset({0, 2}),
             eos_token_id=2,
             bos_token_id=None,
-            chat_template=None,
+            chat_template=chat_template,
         )
         #: No grammar engine: constrained decoding needs a real vocabulary (llama runner).
         self.grammars = None

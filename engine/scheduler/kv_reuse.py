@@ -29,7 +29,12 @@ class KVReuse:
         reuse = isinstance(runner, ReusesKV) and runner.reuses_kv
         self.prefill_chunk = config.prefill_chunk_tokens
         self.prefix_cache = (
-            PrefixCache(capacity_bytes=config.prefix_cache_bytes, chunk=self.prefill_chunk)
+            PrefixCache(
+                capacity_bytes=config.prefix_cache_bytes,
+                chunk=self.prefill_chunk,
+                # A sliding-window model's snapshots keep only the window (prefix_cache.py).
+                window=getattr(runner, "kv_window", None),
+            )
             if reuse and config.prefix_cache_mb
             else None
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 from apphelpers import Server
 
@@ -35,3 +36,21 @@ def chat_body(server: Server, content: str = "What is 2+2?", **extra: Any) -> di
         "max_tokens": 16,
         **extra,
     }
+
+
+async def chat_prompt_is(
+    http: httpx.AsyncClient, server: Server, messages: list[dict[str, str]], prompt_ids: list[int]
+) -> str:
+    """Check that `/v1/chat/completions` prompts the model with exactly `prompt_ids`: the same
+    usage, and the same greedy answer, as `/v1/completions` given those ids. The answer."""
+    greedy = {"max_tokens": 12, "temperature": 0}
+    chat = await http.post(
+        "/v1/chat/completions", json={"model": model_name(server), "messages": messages, **greedy}
+    )
+    completion = await http.post("/v1/completions", json={"prompt": prompt_ids, **greedy})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+    answer = chat.json()["choices"][0]["message"]["content"]
+    assert answer == completion.json()["choices"][0]["text"]
+    assert chat.json()["usage"] == completion.json()["usage"]
+    return str(answer)

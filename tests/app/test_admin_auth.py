@@ -36,6 +36,9 @@ async def test_state_changing_routes_need_the_admin_key(
         assert (await client.get("/flush_cache", headers=headers)).status == 401
     assert (await client.post("/abort_request", json=abort, headers=ADMIN)).status == 200
     assert (await client.post("/flush_cache", headers=ADMIN)).status == 200
+    # Anthropic's clients send a key as `x-api-key`: the admin key opens them that way too.
+    assert (await client.post("/flush_cache", headers={"x-api-key": "user-key"})).status == 401
+    assert (await client.post("/flush_cache", headers={"x-api-key": "admin-key"})).status == 200
 
 
 async def test_other_routes_keep_the_plain_key_and_take_the_admin_key(
@@ -46,6 +49,10 @@ async def test_other_routes_keep_the_plain_key_and_take_the_admin_key(
     assert (await client.post("/generate", json=body)).status == 401
     assert (await client.post("/generate", json=body, headers=USER)).status == 200
     assert (await client.post("/generate", json=body, headers=ADMIN)).status == 200
+    for key in ("user-key", "admin-key"):
+        response = await client.post("/generate", json=body, headers={"x-api-key": key})
+        assert response.status == 200, key
+    assert (await client.post("/generate", json=body, headers={"x-api-key": "wrong"})).status == 401
     assert (await client.get("/v1/models", headers=USER)).status == 200
     assert (await client.get("/health")).status == 200
     info = (await client.get("/get_server_info", headers=USER)).json()
@@ -75,6 +82,10 @@ ORDINARY_PATHS = {
     "/v1/tokenize",
     "/detokenize",
     "/v1/detokenize",
+    "/v1/embeddings",
+    "/encode",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
 }
 
 

@@ -4,6 +4,7 @@ which empties the prefix cache and refuses (400, SGLang's words) while requests 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,16 +31,27 @@ def body(n: int, **extra: Any) -> dict[str, Any]:
     }
 
 
+#: `cached_tokens` of the prompts of 100, 2000, 2000, 1000 and 2200 tokens, then of a batch
+#: of 600 and 700. Gemma 3's sliding window (512) lets a snapshot longer than it serve only
+#: its own length (engine/prefix_cache.py): 1000 cannot start from the 1792 entry, nor the
+#: batch from the 768 one.
+EXPECTED = {
+    "smollm2-135m": ([0, 0, 1792, 768, 1792], [512, 512]),
+    "gemma3-270m": ([0, 0, 1792, 0, 1792], [0, 0]),
+}
+
+
 @pytest.fixture
-async def model() -> AsyncIterator[tuple[Server, str]]:
+async def model(model_choice: str) -> AsyncIterator[tuple[Server, str]]:
     """The model behind two servers on one engine: cumulative and incremental streaming."""
-    async with two_stream_modes(MODEL) as servers:
+    async with two_stream_modes(dataclasses.replace(MODEL, model_path=model_choice)) as servers:
         yield servers
 
 
 @pytest.mark.model
-async def test_cached_tokens_in_every_shape(model: tuple[Server, str]) -> None:
+async def test_cached_tokens_in_every_shape(model: tuple[Server, str], model_choice: str) -> None:
     server, incremental_url = model
+    sequence, batched = EXPECTED[model_choice]
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         assert (await client.post("/flush_cache")).status_code == 200
         # SGLang sends 100, 10000, 10000, 1000, 11000 tokens and reads 0, 100, 9999, 999,
@@ -50,12 +62,12 @@ async def test_cached_tokens_in_every_shape(model: tuple[Server, str]) -> None:
             response = await client.post("/generate", json=body(n))
             assert response.status_code == 200, response.text
             cached.append(response.json()["meta_info"]["cached_tokens"])
-        assert cached == [0, 0, 1792, 768, 1792]
+        assert cached == sequence
 
         batch = await client.post(
             "/generate", json={**body(600), "input_ids": [ids(600), ids(700)]}
         )
-        assert [item["meta_info"]["cached_tokens"] for item in batch.json()] == [512, 512]
+        assert [item["meta_info"]["cached_tokens"] for item in batch.json()] == batched
 
         stream = await client.post("/generate", json=body(600, stream=True))
         frames = parse_sse(stream.text)[:-1]

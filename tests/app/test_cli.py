@@ -266,3 +266,62 @@ async def test_serve_settles_the_heap_once_serving_unless_told_not_to() -> None:
 def test_a_negative_gc_threshold_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--runner", "sim", "--gc-threshold", "-1"]) == 2
     assert "--gc-threshold must be at least 0, got -1" in capsys.readouterr().err
+
+
+def test_placement_flags_take_llama_servers_names_and_values() -> None:
+    args = build_parser().parse_args(
+        ["serve", "-ngl", "all", "-mg", "1", "-sm", "row", "-ts", "3,1", "-nkvo"]
+    )
+    engine_config, _ = configs(args)
+    assert engine_config.n_gpu_layers == "all" and engine_config.main_gpu == 1
+    assert engine_config.split_mode == "row" and engine_config.tensor_split == (3.0, 1.0)
+    assert not engine_config.kv_offload
+    long_names = ["serve", "--n-gpu-layers", "12", "--base-gpu-id", "2", "--split-mode", "none"]
+    engine_config, _ = configs(build_parser().parse_args(long_names))
+    assert engine_config.n_gpu_layers == 12 and engine_config.main_gpu == 2
+    assert engine_config.split_mode == "none"
+    defaults, _ = configs(build_parser().parse_args(["serve"]))
+    assert defaults.n_gpu_layers == "auto" and defaults.main_gpu == 0
+    assert defaults.split_mode == "layer" and defaults.tensor_split == ()
+    assert defaults.kv_offload
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-ngl", "most"], "--n-gpu-layers takes a number from 0, auto or all, got 'most'"),
+        (["--tensor-split", "1,x"], "--tensor-split takes proportions from 0"),
+    ],
+)
+def test_bad_placement_values_are_refused_at_start_up(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+async def test_a_cpu_only_build_ignores_gpu_flags_and_says_where_the_layers_went() -> None:
+    """On this CPU-only llama.cpp, asking for every layer on a GPU is ignored with a warning,
+    as llama-server does, and start-up and /get_server_info say all 30 are on the CPU."""
+    command = [
+        sys.executable, "-m", "tributary", "serve", "--port", "0", "-ngl", "99",
+        "--context-length", "256", "--max-running-requests", "2", "--prefix-cache-mb", "0",
+    ]  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(
+                trio.run_process, command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                check=False,
+            )
+        )  # fmt: skip
+        url = await startup_url(proc)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            info = (await client.get("/get_server_info")).json()
+        err = await stop_and_read_stderr(proc)
+    placement = info["placement"]
+    assert placement["summary"] == "0/30 layers on CPU (no GPU backend)"
+    assert placement["n_gpu_layers"] == 0 and not placement["gpu_backend"]
+    assert placement["devices"] == [] and placement["host_kv_bytes"] > 0
+    assert info["n_gpu_layers"] == 99  # the flag as given, echoed with the other settings
+    assert "--n-gpu-layers 99 ignored: llama.cpp has no GPU backend" in err
+    assert "0/30 layers on CPU (no GPU backend)" in err

@@ -1,8 +1,10 @@
-"""`/generate` with the real SmolLM2 model over a real socket: what the sim runner cannot
-show (real tokenization and decode cost, EOS, llama.cpp steps in a worker thread)."""
+"""`/generate` with the real models over a real socket (SmolLM2, and Gemma 3 under
+`-m second_model`): what the sim runner cannot show (real tokenization and decode cost, EOS,
+llama.cpp steps in a worker thread)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,10 +22,26 @@ pytestmark = pytest.mark.model
 MODEL = EngineConfig(context_length=2048, max_running_requests=8, threads=1)
 
 
+#: A word each model's greedy continuation of "The capital of France is" has (Gemma 3 270M,
+#: a base model: " the capital of the country of France.").
+ANSWERS = {"smollm2-135m": "Paris", "gemma3-270m": "France"}
+
+#: A request that ends with an end-of-generation token, per model. SmolLM2 answers its chat
+#: turn and ends it; Gemma 3 270M is a base model that rarely ends a turn by itself, so its
+#: end-of-turn token (106, not its EOS, 1) is made likely.
+EOS_REQUESTS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"text": "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n"},
+    "gemma3-270m": {
+        "text": "<start_of_turn>user\nSay yes.<end_of_turn>\n<start_of_turn>model\nYes.",
+        "logit_bias": {"106": 30.0},
+    },
+}
+
+
 @pytest.fixture
-async def model() -> AsyncIterator[tuple[Server, str]]:
+async def model(model_choice: str) -> AsyncIterator[tuple[Server, str]]:
     """The model behind two servers on one engine: cumulative and incremental streaming."""
-    async with two_stream_modes(MODEL) as servers:
+    async with two_stream_modes(dataclasses.replace(MODEL, model_path=model_choice)) as servers:
         yield servers
 
 
@@ -44,14 +62,14 @@ def check_terminal(obj: dict[str, Any], elapsed: float) -> None:
     assert meta["completion_tokens"] == len(obj["output_ids"])
 
 
-async def test_latency_in_all_four_shapes(model: tuple[Server, str]) -> None:
+async def test_latency_in_all_four_shapes(model: tuple[Server, str], model_choice: str) -> None:
     server, incremental_url = model
     body = {"text": "The capital of France is", "sampling_params": greedy(8)}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         unary, elapsed = await timed(client, body)
         assert unary.status_code == 200
         check_terminal(unary.json(), elapsed)
-        assert "Paris" in unary.json()["text"]
+        assert ANSWERS[model_choice] in unary.json()["text"]
         assert unary.json()["meta_info"]["prompt_tokens"] == len(server.eng.tokenize(body["text"]))
 
         batch, elapsed = await timed(client, {**body, "text": [body["text"], "1, 2, 3,"]})
@@ -108,11 +126,14 @@ async def test_stream_disconnect_frees_the_sequence(model: tuple[Server, str]) -
     assert eng.stats().kv_used_cells == 0
 
 
-async def test_eos_stops_with_the_stop_finish_reason(model: tuple[Server, str]) -> None:
+async def test_eos_stops_with_the_stop_finish_reason(
+    model: tuple[Server, str], model_choice: str
+) -> None:
     server, _ = model
-    body = {"text": "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n"}
+    request = dict(EOS_REQUESTS[model_choice])
+    body = {"text": request.pop("text"), "sampling_params": greedy(200, **request)}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        response = await client.post("/generate", json={**body, "sampling_params": greedy(200)})
+        response = await client.post("/generate", json=body)
     meta = response.json()["meta_info"]
     assert meta["finish_reason"]["type"] == "stop"
     assert meta["finish_reason"]["matched"] in server.eng.model_info.eos_token_ids

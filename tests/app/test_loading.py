@@ -47,6 +47,9 @@ async def test_a_model_that_cannot_load_is_a_plain_error() -> None:
     assert (
         done.stderr.decode()
         .strip()
-        .endswith("tributary: error: model file not found: /nonexistent/model.gguf")
+        .endswith(
+            "tributary: error: model file not found: /nonexistent/model.gguf "
+            "(a GGUF file, or one of smollm2-135m, gemma3-270m)"
+        )
     )
     assert b"Traceback" not in done.stderr

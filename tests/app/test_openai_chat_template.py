@@ -7,7 +7,7 @@ import httpx
 import pytest
 from apphelpers import Server
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from openaihelpers import model_name
+from openaihelpers import chat_prompt_is
 
 from tributary.app.chat import ChatTemplate
 from tributary.app.http.errors import InvalidRequest
@@ -50,23 +50,7 @@ async def test_two_turn_prompt_is_the_gguf_template(
     # /v1/completions given exactly those token ids.
     expected_ids = eng.tokenize(expected, add_special=False)
     assert expected_ids.count(eng.model_info.bos_token_id) == 5  # one <|im_start|> per turn
-    chat = await http.post(
-        "/v1/chat/completions",
-        json={
-            "model": model_name(model_server),
-            "messages": CONVERSATION,
-            "max_tokens": 12,
-            "temperature": 0,
-        },
-    )
-    completion = await http.post(
-        "/v1/completions",
-        json={"prompt": expected_ids, "max_tokens": 12, "temperature": 0},
-    )
-    assert chat.json()["usage"]["prompt_tokens"] == len(expected_ids)
-    answer = chat.json()["choices"][0]["message"]["content"]
-    assert answer and answer == completion.json()["choices"][0]["text"]
-    assert chat.json()["usage"] == completion.json()["usage"]
+    assert await chat_prompt_is(http, model_server, CONVERSATION, expected_ids)
 
 
 def test_environment_matches_llama_cpp_python() -> None:

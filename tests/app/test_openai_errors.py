@@ -94,7 +94,7 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str, str | None]] = [
         None,
     ),
     ("bad-temperature", {"temperature": -1}, 400, "temperature must be a non-negative", None),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools"),
+    ("tools", {"tools": [{"type": "function", "function": {}}]}, 400, "function.name", "tools"),
     ("bad-stream-options", {"stream_options": {"include_usage": True}}, 400, "stream", None),
 ]
 

@@ -126,7 +126,7 @@ def test_unsupported_features_are_refused() -> None:
         with pytest.raises(InvalidRequest, match="not supported"):
             completion(**body)
     for body in (
-        {"tools": [{"type": "function"}]},
+        {"functions": [{"name": "f"}]},
         {"response_format": {"type": "structural_tag"}},
     ):
         with pytest.raises(InvalidRequest, match="not supported"):

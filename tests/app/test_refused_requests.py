@@ -36,6 +36,8 @@ async def test_new_generations_are_refused_once_draining() -> None:
             ("/generate", {"text": "hi"}),
             ("/v1/completions", {"prompt": "hi"}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("/v1/embeddings", {"input": "hi"}),
+            ("/encode", {"text": "hi"}),
         ):
             response = await client.post(path, json=body)
             assert response.status_code == 503, path

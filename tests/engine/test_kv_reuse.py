@@ -1,6 +1,7 @@
 """KV reuse on the real model: a restored prefix or a forked prompt must give exactly the
-tokens that prefilling would have, and the KV memory a configuration takes is sized (and
-refused when it cannot fit)."""
+tokens that prefilling would have (on SmolLM2, and on Gemma 3 with its sliding window under
+`-m second_model`), and the KV memory a configuration takes is sized (and refused when it
+cannot fit)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,14 @@ BYTES_PER_TOKEN = 23040
 
 CONFIG = EngineConfig(context_length=2048, max_running_requests=4, prefill_chunk_tokens=CHUNK)
 
+#: Each model's sliding attention window: a cached snapshot longer than it serves only its
+#: own length (engine/prefix_cache.py). SmolLM2 attends to every position.
+WINDOW = {"smollm2-135m": None, "gemma3-270m": 512}
+
 
 @pytest.fixture
-async def eng() -> AsyncIterator[engine.Engine]:
-    async with engine.open_engine(CONFIG) as eng:
+async def eng(model_choice: str) -> AsyncIterator[engine.Engine]:
+    async with engine.open_engine(dataclasses.replace(CONFIG, model_path=model_choice)) as eng:
         yield eng
 
 
@@ -95,7 +100,7 @@ async def test_a_cache_hit_gives_the_tokens_prefilling_gives(
     assert warm.output_ids == cold.output_ids
 
 
-async def test_forked_samples_match_expanded_ones() -> None:
+async def test_forked_samples_match_expanded_ones(model_choice: str) -> None:
     """n = 4 samples of one prompt: forked from one prefill, or each prefilled (the four fit
     one step's prefill budget, so both ways decode in the same batches). Seeded samples are
     the same tokens; so are greedy ones after a multi-chunk prompt (each fork's KV copy is
@@ -103,6 +108,7 @@ async def test_forked_samples_match_expanded_ones() -> None:
     short_outputs, long_outputs = [], []
     for fork in (True, False):
         config = EngineConfig(
+            model_path=model_choice,
             context_length=2048,
             max_running_requests=4,
             prefix_cache_mb=0,
@@ -167,12 +173,14 @@ async def test_a_kv_cache_larger_than_memory_is_refused_naming_the_flags() -> No
 
 
 async def test_a_hit_on_part_of_a_longer_entry_beside_a_decode_gives_the_same_tokens(
-    eng: engine.Engine,
+    eng: engine.Engine, model_choice: str
 ) -> None:
     """The restore that drops an entry's positions past the match
     (`llama_memory_seq_rm`), run while another sequence decodes (its decode launched ahead
-    is in flight when the restore is planned), and forks taken beside it too."""
-    shared = document(eng, 3 * CHUNK)
+    is in flight when the restore is planned), and forks taken beside it too. (An entry of 3
+    chunks; of 2 for Gemma 3, whose window of 512 positions is all that may be cut.)"""
+    window = WINDOW[model_choice]
+    shared = document(eng, (3 if window is None else window // CHUNK) * CHUNK)
     mine = eng.tokenize("\nQuestion: what was moved on day 3? Answer:", add_special=False)
     other = eng.tokenize("Once upon a time, in a land far away,")
     assert eng.flush_cache()
@@ -204,3 +212,21 @@ async def test_a_hit_on_part_of_a_longer_entry_beside_a_decode_gives_the_same_to
     assert [f.cached_tokens for f in forks] == [CHUNK, CHUNK + 40, CHUNK + 40]
     assert [f.output_ids for f in forks] == [expected] * 3
     assert eng.idle_report().idle
+
+
+async def test_an_entry_longer_than_the_window_is_not_cut(
+    eng: engine.Engine, model_choice: str
+) -> None:
+    """A sliding-window model's snapshot keeps only the window's last positions of its
+    sliding layers, so a 3-chunk entry cut to 1 chunk would leave the next token without part
+    of its window: Gemma 3 prefills instead (SmolLM2 restores the chunk). Either way the
+    tokens are those of a cold prefill."""
+    shared = document(eng, 3 * CHUNK)
+    mine = eng.tokenize("\nQuestion: what was moved on day 3? Answer:", add_special=False)
+    assert eng.flush_cache()
+    cold = await run(eng, request(shared[:CHUNK] + mine))
+    assert eng.flush_cache()
+    await run(eng, request(shared + mine))  # an entry of 3 chunks
+    warm = await run(eng, request(shared[:CHUNK] + mine))
+    assert warm.cached_tokens == (CHUNK if WINDOW[model_choice] is None else 0)
+    assert warm.output_ids == cold.output_ids

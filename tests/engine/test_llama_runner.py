@@ -1,7 +1,9 @@
-"""The engine on the real model: SmolLM2-135M-Instruct through llama.cpp."""
+"""The engine on the real model: SmolLM2-135M-Instruct through llama.cpp. The tests on the
+`model_eng` fixture run on Gemma 3 270M too (`-m second_model`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,11 +29,37 @@ PROMPTS = [
 ]
 
 
+#: A chat turn in each model's own format (Gemma 3 270M is a base model: it continues it
+#: but rarely ends the turn).
+CHATS = {
+    "smollm2-135m": CHAT,
+    "gemma3-270m": "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
+}
+
+#: A prompt and a stop string its greedy continuation holds, per model.
+STOPS = {
+    "smollm2-135m": (CHAT.format("What is the capital of France?"), "Paris"),
+    "gemma3-270m": ("The capital of France is", "country"),  # " the capital of the country"
+}
+
+CONFIG = EngineConfig(context_length=2048, max_running_requests=8, prefill_chunk_tokens=256)
+
+
 @pytest.fixture
 async def eng() -> AsyncIterator[engine.Engine]:
-    config = EngineConfig(context_length=2048, max_running_requests=8, prefill_chunk_tokens=256)
-    async with engine.open_engine(config) as eng:
+    async with engine.open_engine(CONFIG) as eng:
         yield eng
+
+
+@pytest.fixture
+async def model_eng(model_choice: str) -> AsyncIterator[engine.Engine]:
+    """The engine on each model in turn (tests of behaviour that must hold for any model)."""
+    async with engine.open_engine(dataclasses.replace(CONFIG, model_path=model_choice)) as eng:
+        yield eng
+
+
+def chat(eng: engine.Engine, question: str) -> str:
+    return CHATS[eng.config.model_path or "smollm2-135m"].format(question)
 
 
 def request(prompt: str, **sampling: object) -> GenerateRequest:
@@ -105,17 +133,21 @@ async def test_model_info_describes_smollm2(eng: engine.Engine) -> None:
     assert eng.detokenize(eng.tokenize("Hello, world!")) == "Hello, world!"
 
 
-async def test_greedy_is_deterministic(eng: engine.Engine) -> None:
+async def test_greedy_is_deterministic(model_eng: engine.Engine) -> None:
+    eng = model_eng
     first = await run(eng, request(PROMPTS[0]))
     second = await run(eng, request(PROMPTS[0]))
     assert first[1] == second[1]
     assert len(first[1]) == 16 and first[0].strip()
 
 
-async def test_greedy_is_batch_invariant(eng: engine.Engine) -> None:
+async def test_greedy_is_batch_invariant(model_eng: engine.Engine) -> None:
+    """On both models: Gemma 3 270M's Q4_K_M has K-quant weights, whose ggml CPU matmul
+    depends on the row count unless its tiled kernel is off (`loading.py`)."""
+    eng = model_eng
     # Chat prompts that diverged within 48 tokens when the KV cache was one shared pool.
     for question in ("Write a haiku about rain.", "Name a fruit."):
-        prompt = CHAT.format(question)
+        prompt = chat(eng, question)
         alone = await run(eng, request(prompt, max_new_tokens=48))
         batched = await run_all(
             eng, [request(p, max_new_tokens=48) for p in [*PROMPTS[:6], prompt, prompt]]
@@ -169,7 +201,7 @@ async def test_a_burst_larger_than_one_decode_is_cut_into_decodes_of_equal_chunk
 
 
 async def test_plain_greedy_picks_what_llama_cpps_greedy_sampler_picks(
-    eng: engine.Engine, monkeypatch: pytest.MonkeyPatch
+    model_eng: engine.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Plain greedy requests take the row's argmax with numpy; a zero logit bias keeps the
     same request on llama.cpp's sampler chain. Both give the same 64 tokens, for single
@@ -185,7 +217,8 @@ async def test_plain_greedy_picks_what_llama_cpps_greedy_sampler_picks(
         return sample(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(llama_cpp, "llama_sampler_sample", counted)
-    prompts = [*PROMPTS[:4], CHAT.format("Name a fruit.")]
+    eng = model_eng
+    prompts = [*PROMPTS[:4], chat(eng, "Name a fruit.")]
     for extra in ({}, {"min_new_tokens": 64}):
         plain = await run_all(eng, [request(p, max_new_tokens=64, **extra) for p in prompts])
         assert chain_calls == 0  # every token was the fast path's
@@ -200,23 +233,21 @@ async def test_plain_greedy_picks_what_llama_cpps_greedy_sampler_picks(
     assert eng._runner._argmax == set()  # type: ignore[attr-defined]  # closed slots leave
 
 
-async def test_stop_string_is_trimmed(eng: engine.Engine) -> None:
-    text, _, _ = await run(eng, request(CHAT.format("What is the capital of France?")))
-    assert "Paris" in text
-    cut, _ids, done = await run(
-        eng, request(CHAT.format("What is the capital of France?"), stop=["Paris"])
-    )
-    assert done.finish_reason == {"type": "stop", "matched": "Paris"}
-    assert cut == text[: text.index("Paris")]
-    assert "Paris" not in cut
-    kept, _, _ = await run(
-        eng,
-        request(CHAT.format("What is the capital of France?"), stop=["Paris"], no_stop_trim=True),
-    )
-    assert kept == text[: text.index("Paris") + len("Paris")]
+async def test_stop_string_is_trimmed(model_eng: engine.Engine, model_choice: str) -> None:
+    eng = model_eng
+    prompt, stop = STOPS[model_choice]
+    text, _, _ = await run(eng, request(prompt))
+    assert stop in text
+    cut, _ids, done = await run(eng, request(prompt, stop=[stop]))
+    assert done.finish_reason == {"type": "stop", "matched": stop}
+    assert cut == text[: text.index(stop)]
+    assert stop not in cut
+    kept, _, _ = await run(eng, request(prompt, stop=[stop], no_stop_trim=True))
+    assert kept == text[: text.index(stop) + len(stop)]
 
 
-async def test_max_new_tokens_is_honoured(eng: engine.Engine) -> None:
+async def test_max_new_tokens_is_honoured(model_eng: engine.Engine) -> None:
+    eng = model_eng
     for n in (1, 7, 33):
         _, ids, done = await run(eng, request(PROMPTS[1], max_new_tokens=n, ignore_eos=True))
         assert len(ids) == n == done.completion_tokens
@@ -287,7 +318,8 @@ async def test_utf8_multibyte_round_trips(eng: engine.Engine) -> None:
     assert any(ch in "".join(deltas) for ch in "🚀🌍東京")
 
 
-async def test_logit_bias_forces_and_forbids(eng: engine.Engine) -> None:
+async def test_logit_bias_forces_and_forbids(model_eng: engine.Engine) -> None:
+    eng = model_eng
     forced = eng.tokenize(" banana", add_special=False)[0]
     _, ids, _ = await run(eng, request(PROMPTS[0], max_new_tokens=4, logit_bias={str(forced): 100}))
     assert ids == [forced] * 4
@@ -298,7 +330,8 @@ async def test_logit_bias_forces_and_forbids(eng: engine.Engine) -> None:
     assert banned[0] != free_ids[0]
 
 
-async def test_abort_mid_decode_frees_sequence_and_spares_others(eng: engine.Engine) -> None:
+async def test_abort_mid_decode_frees_sequence_and_spares_others(model_eng: engine.Engine) -> None:
+    eng = model_eng
     reqs = [request(p, max_new_tokens=48, ignore_eos=True) for p in PROMPTS[:4]]
     streams = [eng.submit(r) for r in reqs]
     victim = eng.submit(request(PROMPTS[4], max_new_tokens=400, ignore_eos=True))
@@ -328,16 +361,17 @@ async def test_abort_mid_decode_frees_sequence_and_spares_others(eng: engine.Eng
     assert stats.running == 0 and stats.kv_used_cells == 0 and stats.waiting == 0
 
 
-async def test_prompt_prefill_does_not_depend_on_its_neighbours(eng: engine.Engine) -> None:
+async def test_prompt_prefill_does_not_depend_on_its_neighbours(model_eng: engine.Engine) -> None:
+    eng = model_eng
     """A long prompt gives the same greedy tokens alone and when another prompt is prefilled
     in the same step (this one diverged when chunks shared a llama_decode)."""
     story = "Once upon a time in a small village by the sea, there lived an old fisherman who " * 8
-    prompt = CHAT.format(story + "Who is the main character?")
+    prompt = chat(eng, story + "Who is the main character?")
     _, alone, _ = await run(eng, request(prompt, max_new_tokens=48))
     behind = await run_all(
         eng,
         [
-            request(CHAT.format("Say hi " * 20), max_new_tokens=48),
+            request(chat(eng, "Say hi " * 20), max_new_tokens=48),
             request(prompt, max_new_tokens=48),
         ],
     )

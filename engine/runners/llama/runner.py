@@ -19,6 +19,7 @@ model is never freed under a running decode.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,17 +29,21 @@ import trio
 
 from ...compute_thread import compute_thread
 from ...config import EngineConfig
+from ...embeddings import embedding_cells
 from ...grammar import Grammars
 from ...kv_memory import KV_DTYPES, InsufficientMemory, check_memory, describe_bytes, mem_available
+from ...models import named_model, resolve_model_path
+from ...placement import Placement
 from ...request import ModelInfo
 from ...sampling import SamplingParams
 from ..base import DecodeRun, RunFeed, SeqStep, nothing_decoded
 from ..hugepages import HugePages
 from .decode_run import LlamaDecodeRuns
 from .decode_stop import DecodeStop, DecodeStopped
+from .devices import plan_for
+from .embed import LlamaEmbeddings, declared_pooling
 from .loading import (
     batch_tokens,
-    default_model_path,
     graph_tokens,
     kv_bytes_per_cell,
     load_model,
@@ -52,29 +57,34 @@ from .vocabulary import LlamaVocabulary, lltokenizer, special_tokens
 
 __all__ = ["LlamaRunner"]
 
+LOGGER = logging.getLogger("tributary.engine.llama")
 
-class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
+
+class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns, LlamaEmbeddings):
     """Create with `LlamaRunner.load(config)`; the scheduler is its only caller."""
 
     @classmethod
     def load(cls, config: EngineConfig) -> LlamaRunner:
         """Load the model and create the context. Blocking (call it in a thread)."""
-        path = Path(config.model_path) if config.model_path else default_model_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"model file not found: {path}")
+        path = resolve_model_path(config.model_path)  # a registered name or a file
         # Read before loading: the memory the weights then take counts as available, and what
         # they and the KV cache need is checked against that.
         available = mem_available()
-        size = path.stat().st_size
+        # Where the layers go is decided before loading (devices' memory checked there);
+        # what stays in host memory is checked against `available`.
+        placement = plan_for(path, config)
+        size = placement.host_weight_bytes if placement.offloaded else path.stat().st_size
         if not mapped_weights(config) and available is not None and size > available:
             # Read, the weights take their size in memory of the process's own at once.
             raise InsufficientMemory(
                 f"not enough memory: the model file ({describe_bytes(size)}) is larger than "
                 f"the {describe_bytes(available)} available"
             )
-        model, pages = load_model(path, config)
+        model, pages = load_model(path, config, placement)
         try:
-            return cls(model, path, config, available=available, huge_pages=pages)
+            return cls(
+                model, path, config, available=available, huge_pages=pages, placement=placement
+            )
         except BaseException:
             llama_cpp.llama_model_free(model)
             raise
@@ -90,6 +100,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
         *,
         available: int | None = None,
         huge_pages: HugePages | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self._model = model
         #: How the weights are paged, when they were read rather than mapped (`load`).
@@ -109,10 +120,16 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
         dtype = KV_DTYPES[config.kv_cache_dtype]
         #: Bytes of KV the context allocates: every layer's K and V rows for every cell.
         self.kv_bytes = self.kv_cells * kv_bytes_per_cell(model, dtype.bytes_per_element)
+        #: Bytes of the embedding context's KV (0: it has none, there being no pooling type).
+        self.embedding_kv_bytes = embedding_cells(
+            config, context, config.pooling or declared_pooling(model)
+        ) * kv_bytes_per_cell(model, dtype.bytes_per_element)
         model_bytes = llama_cpp.llama_model_size(model)
-        check_memory(
-            model_bytes=model_bytes,
-            kv_bytes=self.kv_bytes,
+        on_gpu = placement if placement is not None and placement.offloaded else None
+        check_memory(  # what host memory holds: on a GPU, the planning checked the device's
+            model_bytes=on_gpu.host_weight_bytes if on_gpu else model_bytes,
+            kv_bytes=on_gpu.host_kv_bytes if on_gpu else self.kv_bytes + self.embedding_kv_bytes,
+            embedding_kv_bytes=self.embedding_kv_bytes,
             prefix_cache_bytes=config.prefix_cache_bytes,
             available=available,
             config=config,
@@ -147,6 +164,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
         self._opened = set()
         self._closed = False
         self.grammars = Grammars(lltokenizer(self._vocab, n_vocab), n_vocab)
+        self._init_embeddings(config, context=context, threads=threads)
         self.info = ModelInfo(
             name=config.served_model_name or path.name.removesuffix(".gguf"),
             path=str(path),
@@ -158,8 +176,24 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
             ),
             bos_token_id=_token_or_none(llama_cpp.llama_vocab_bos(self._vocab)),
             eos_token_id=_token_or_none(llama_cpp.llama_vocab_eos(self._vocab)),
-            chat_template=self._meta_str(b"tokenizer.chat_template"),
+            chat_template=config.chat_template
+            or self._meta_str(b"tokenizer.chat_template")
+            or _named_template(config),
+            placement=placement,
         )
+        #: Sliding-window attention: the positions its layers attend to, which is all that
+        #: llama.cpp keeps of them in a snapshot (`ReusesKV`); None for a model without.
+        self.kv_window = llama_cpp.llama_model_n_swa(model) or None
+        if self.kv_window and dtype.quantized:
+            # A quantized V cache needs flash attention, under which a restored snapshot
+            # longer than the window does not decode what a prefill does (loading.py).
+            self.reuses_kv = False
+            LOGGER.warning(
+                "prefix cache and forked samples are off: this model's sliding-window "
+                "attention with a %s KV cache cannot restore a prompt's KV exactly; "
+                "--kv-cache-dtype f16 turns them on",
+                config.kv_cache_dtype,
+            )
         log_loaded(
             path,
             config,
@@ -168,6 +202,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
             threads=threads,
             kv_bytes=self.kv_bytes,
             huge_pages=huge_pages,
+            placement=placement,
         )
 
     # -- sequences ----------------------------------------------------------------------
@@ -220,6 +255,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
         def expose(feed_published: Callable[[], None]) -> None:
             run.feed_decoded = feed_published
 
+        self._active_run = run  # an embedding decode ends it early (embed.py)
         try:
             await compute_thread().run(
                 self._run_sync, plan, run, feed=feed, interrupt=run.stop, published=expose
@@ -229,12 +265,14 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
             raise
         finally:
             run.feed_decoded = nothing_decoded
+            self._active_run = None
 
     def stop_decoding(self) -> None:
         """Give up the decode running now, and every later one, at llama.cpp's next graph
         node (`StopsDecoding`): the engine is closing and its requests all end with it. From
         any thread; after it, the runner is only fit for `close`."""
         self._stop.set()
+        self._stop_embedding()
 
     def close(self) -> None:
         if self._closed:
@@ -242,6 +280,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
         # Behind any decode launched ahead, given up at once: the model is never freed under
         # a running decode.
         self._stop.set()
+        self._stop_embedding()
         try:
             compute_thread().wait_idle()
             self._closed = True
@@ -250,6 +289,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns):
             self._samplers.clear()
             llama_cpp.llama_batch_free(self._batch)
             llama_cpp.llama_free(self._ctx)
+            self._close_embeddings()
             llama_cpp.llama_model_free(self._model)
         finally:
             self._stop.release()  # llama.cpp's errors are shown again, whatever happened
@@ -263,6 +303,12 @@ async def _stopped() -> None:
     # checkpoint delivers: the requests of the step or run then end as the engine's exit
     # ends them (a 503 abort), not as a failed step. Without one, DecodeStopped is raised.
     await trio.lowlevel.checkpoint()
+
+
+def _named_template(config: EngineConfig) -> str | None:
+    """The chat template a registered model is served with when its GGUF has none."""
+    model = named_model(config.model_path)
+    return model.chat_template if model is not None else None
 
 
 def _token_or_none(token: int) -> int | None:
