@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Self
 
 import jinja2
@@ -55,7 +56,7 @@ class NoChatTemplate(InvalidRequest):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ServedChatModel:
+class ServedChatModel(ABC):
     #: The API's chat endpoint, as its errors name it.
     chat_path: ClassVar[str]
     #: Where the API logs (a chat template that does not compile).
@@ -116,9 +117,9 @@ class ServedChatModel:
     def context_length(self) -> int:
         return self.engine.model_info.context_length
 
+    @abstractmethod
     def model_not_found(self, model: str) -> EngineError:
         """The API's 404 for a `model` this server does not serve."""
-        raise NotImplementedError
 
     def check_model(self, model: str | None) -> None:
         """A request may omit `model` (the served one is meant); any other name is a 404."""
