@@ -10,10 +10,13 @@ default:
     @just --list
 
 # Create .venv and install Tributary with its test extras (compiles llama.cpp on first run, ~5 min).
+# Where pip's llama.cpp has AMX compiled in, swap it for one without (bench/llama_wheel.py: built
+# once per machine into ~/.cache/tributary/wheels, 5-10 min on 2 cores; then seconds).
 setup:
     test -x {{venv}}/bin/python || {{python}} -m venv {{venv}}
     {{venv}}/bin/python -m pip install --quiet --upgrade pip
     {{venv}}/bin/python -m pip install --quiet -e '.[test]'
+    {{venv}}/bin/python bench/llama_wheel.py
     touch {{stamp}}
 
 # Layers then go to the GPU (`--n-gpu-layers auto`). CUDA_ARCH picks the GPUs built for (default:
@@ -56,10 +59,12 @@ _typecheck:
 bench: _ensure-setup
     {{venv}}/bin/python bench/engine.py
 
-# Side by side over HTTP: Tributary, llama-server, llama_cpp.server (docs/benchmarks/serving.md).
+# Side by side over HTTP: Tributary, llama-server, llama_cpp.server (docs/benchmarks/serving.md);
+# `--workloads fresh repeated repetitive`: Tributary's variants and llama-server on three workloads
+# (docs/benchmarks/serving-workloads.md; no llama_cpp.server, so it is not set up).
 bench-serving *ARGS: _ensure-setup
     python3 bench/peers.py build-llama-server
-    python3 bench/peers.py setup-llama-cpp-server
+    case " {{ARGS}} " in *" --workloads "*) ;; *) python3 bench/peers.py setup-llama-cpp-server;; esac
     {{venv}}/bin/python bench/serving.py {{ARGS}}
 
 # API overhead (zero-cost sim runner) against a bare Quart-Trio route (docs/benchmarks/overhead.md).
@@ -85,6 +90,22 @@ bench-crosscheck *ARGS: _ensure-setup
 # (docs/benchmarks/prefix-cache.md); e.g. `just bench-prefix-cache --rounds 9` on a quiet machine.
 bench-prefix-cache *ARGS: _ensure-setup
     {{venv}}/bin/python bench/prefix_cache.py {{ARGS}}
+
+# Prefix reuse on the real model: greedy divergence of --prefix-reuse any vs exact vs cold on a
+# fixed corpus, and repeated prompts' TTFT (docs/benchmarks/prefix-reuse.md).
+bench-prefix-reuse *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/prefix_reuse.py {{ARGS}}
+
+# N-gram speculative decoding on the real model: greedy divergence from plain decoding,
+# acceptance rate and decode tokens/s at concurrency 1, on and off alternating, on a fixed
+# corpus (docs/benchmarks/speculative.md).
+bench-speculative *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/speculative.py {{ARGS}}
+
+# SmolLM2's Q4_1 and requantized Q4_0, Q4_K_M, IQ4_NL copies; a few minutes.
+# Weight repacking on and off, alternating: batch invariance, prefill and decode tokens/s (docs/benchmarks/repack.md).
+bench-repack *ARGS: _ensure-setup
+    {{venv}}/bin/python bench/repack.py {{ARGS}}
 
 # Disconnect soak on the real model: 2 rounds of 500 requests, 40% of clients leaving early (docs/benchmarks/soak.md).
 bench-soak *ARGS: _ensure-setup

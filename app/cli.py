@@ -116,7 +116,11 @@ def memory_line(eng: engine.Engine) -> str:
     """What the configuration allocates: the KV cache up front, the prefix cache's bound."""
     config, stats = eng.config, eng.stats()
     kv = f"{stats.kv_cache_bytes / (1 << 20):.0f} MiB" if stats.kv_cache_bytes else "n/a"
-    prefix = f"up to {config.prefix_cache_mb} MiB" if config.prefix_cache_mb else "off"
+    prefix = (
+        f"up to {config.prefix_cache_mb} MiB, {config.prefix_reuse} reuse"
+        if config.prefix_cache_mb
+        else "off"
+    )
     return (
         f"KV cache: {kv} ({config.max_running_requests} slots x "
         f"{eng.model_info.context_length} tokens, {config.kv_cache_dtype}); "

@@ -4,6 +4,7 @@ configurations they make (`configs`, `remote_config`). `cli.py` runs them."""
 from __future__ import annotations
 
 import argparse
+from typing import Literal
 
 from tributary import engine
 from tributary.bench import cli as bench_cli
@@ -17,6 +18,9 @@ from .heap import GEN0_THRESHOLD
 from .settings import ServerSettings
 
 __all__ = ["build_parser", "configs", "parse_worker", "remote_config"]
+
+#: `--repack-weights`' values as `EngineConfig.repack_weights` takes them.
+REPACK_SETTINGS: dict[str, bool | Literal["auto"]] = {"auto": "auto", "on": True, "off": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="host memory for reusable prompt prefixes' KV, in MiB (0 turns the cache off)",
     )
     p.add_argument(
+        "--prefix-reuse",
+        choices=["exact", "any"],
+        default=defaults.prefix_reuse,
+        help="exact: whole prompts and chunk-aligned prefixes (output never changes); "
+        "any: also the longest shared prefix at any token (greedy output may differ slightly)",
+    )
+    p.add_argument(
         "--disable-parallel-sample-fork",
         action="store_true",
         help="prefill the prompt once per sample for n > 1 instead of once, then forking",
@@ -125,12 +136,49 @@ def build_parser() -> argparse.ArgumentParser:
         "weights into memory in 2 MiB pages (a few percent slower a token)",
     )
     p.add_argument(
+        "--repack-weights",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="lay the weights out for llama.cpp's faster CPU kernels, as llama-server does "
+        "(auto: unless llama.cpp was compiled with AMX, which crashes with them, the model has "
+        "Q4_K weights, whose repacked kernels break batch invariance, or the CPU is not "
+        "x86-64; on is refused with AMX)",
+    )
+    p.add_argument(
+        "--no-repack",
+        "-nr",
+        dest="repack_weights",
+        action="store_const",
+        const="off",
+        help="llama-server's spelling of --repack-weights off",
+    )
+    p.add_argument(
         "--max-run-decodes",
         type=int,
         default=defaults.max_run_decodes,
         help="decodes a step may chain while every request is simply decoding, without the "
         "scheduler in between (1: a step per token)",
     )
+    p.add_argument(
+        "--speculative-algorithm",
+        choices=["NGRAM"],
+        default=None,
+        help="speculative decoding: NGRAM drafts tokens from n-grams of each request's prompt "
+        "and output and verifies them in one batch (default: off)",
+    )
+    for name, help_text in (
+        ("num_draft_tokens", "tokens drafted at most per verification"),
+        ("ngram_min_match_window_size", "shortest suffix of a request's tokens a draft matches"),
+        ("ngram_max_match_window_size", "longest suffix of a request's tokens a draft matches"),
+        ("disable_by_batch_size", "no drafts while more requests than this run (0: no limit)"),
+    ):
+        field = f"speculative_{name}"
+        p.add_argument(
+            "--" + field.replace("_", "-"),
+            type=int,
+            default=getattr(defaults, field),
+            help=help_text,
+        )
     p.add_argument(
         "--enable-custom-logit-processor",
         action="store_true",
@@ -284,9 +332,16 @@ def configs(args: argparse.Namespace) -> tuple[engine.EngineConfig, ServerSettin
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         overlap_decode=not args.disable_overlap_schedule,
         max_run_decodes=args.max_run_decodes,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_ngram_min_match_window_size=args.speculative_ngram_min_match_window_size,
+        speculative_ngram_max_match_window_size=args.speculative_ngram_max_match_window_size,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         mmap_weights=args.mmap,
+        repack_weights=REPACK_SETTINGS[args.repack_weights],
         kv_cache_dtype=args.kv_cache_dtype,
         prefix_cache_mb=args.prefix_cache_mb,
+        prefix_reuse=args.prefix_reuse,
         fork_parallel_samples=not args.disable_parallel_sample_fork,
         pooling=args.pooling,
         embedding_context_length=args.embedding_context_length,

@@ -48,6 +48,19 @@ All servers are stopped on the way out, whatever happened (Ctrl-C and SIGTERM in
 llama-server closes the connection after every streamed response, so its client never reuses
 one (see NO_KEEPALIVE_CLIENT); the others keep `tributary bench`'s keep-alive.
 
+`--workloads fresh repeated repetitive` measures instead each workload of
+bench/serving_workloads.py (fresh prompts; one fixed prompt set every round, after a warm-up
+pass; reproducing a code snippet with one change, over `/v1/chat/completions`) on its
+servers: Tributary with its defaults, Tributary variants `tributary-NAME` (extra `serve`
+flags: `--tributary-flags NAME='FLAGS'`; speculative decoding and prefix reuse at any length
+by default, left out with a line when this `tributary serve` lacks their flags) and
+llama-server, interleaved as above, and writes docs/benchmarks/serving-workloads.json and .md
+(bench/serving_page.py): per workload the ratios to llama-server per round and their
+medians next to issue 32's targets, TTFT p50. It prints the expected duration up front
+(`--estimate` stops there). Both kinds of run record the CPU (model name, the instruction sets
+that matter), how each side's llama.cpp was built and whether each repacks its weights
+(bench/serving_machine.py).
+
 Writes docs/benchmarks/serving.json (what the page shows: the medians over rounds with the
 per-round ratios, the machine, the peers' versions, the load during each round, the commands
 and the latencies the CDF plots draw) and serving.md (tables, plots, machine, commands),
@@ -80,6 +93,30 @@ from typing import Any
 
 import httpx
 from page_notes import NOTES_END, NOTES_START, existing_notes, summary_json
+from serving_machine import (
+    cpu_facts,
+    llama_cpp_python_info,
+    log_mentions,
+    probe_llama_server,
+    repack_fields,
+    repack_summary,
+)
+from serving_page import fmt, load_lines, machine_lines, render_workloads
+from serving_workloads import (
+    REPETITIVE_PROMPT_TOKENS,
+    WORKLOADS,
+    Slot,
+    estimate_seconds,
+    evaluate_targets,
+    load_tasks,
+    parse_assignments,
+    repetitive_prompts,
+    summarize_workloads,
+    unknown_flags,
+    used_runs,
+    variant_flags,
+    workload_servers,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "benchmarks"
@@ -110,6 +147,8 @@ class ServerSpec:
     #: Whether the client may reuse a connection after a streamed response (see
     #: NO_KEEPALIVE_CLIENT).
     client_keepalive: bool = True
+    #: The workloads (`--workloads`) this server is measured on; None: every one.
+    workloads: frozenset[str] | None = None
 
 
 #: `tributary bench` with connections that are never reused. llama-server closes the connection
@@ -133,8 +172,9 @@ def llama_server_binary() -> Path:
     return found[-1]
 
 
-def server_specs(names: list[str]) -> list[ServerSpec]:
-    tributary = [
+def tributary_argv() -> list[str]:
+    """`tributary serve` as every Tributary server of the benchmark runs it."""
+    return [
         str(VENV_BIN / "tributary"),
         "serve",
         "--host",
@@ -150,6 +190,10 @@ def server_specs(names: list[str]) -> list[ServerSpec]:
         "--log-level",
         "warning",
     ]
+
+
+def server_specs(names: list[str]) -> list[ServerSpec]:
+    tributary = tributary_argv()
     lcp_python = PEERS / "llama-cpp-server-venv" / "bin" / "python"
     specs = {
         "tributary": ServerSpec("tributary", tributary, "/health", backends=("openai", "generate")),
@@ -317,7 +361,7 @@ class Server:
 
     def memory(self) -> dict[str, Any]:
         """VmHWM (peak RSS) and VmRSS of each process of the tree, in KiB."""
-        procs = []
+        procs: list[dict[str, Any]] = []
         for pid in self.pids():
             with contextlib.suppress(OSError):
                 fields = dict(
@@ -471,18 +515,34 @@ class Measurement:
 
     backend: str
     level: Level | None = None
+    #: The workload (bench/serving_workloads.py); the default run's is `fresh`.
+    workload: str = "fresh"
 
     @property
     def key(self) -> str:
-        return f"{self.backend}-c{self.level.concurrency}" if self.level else "unary"
+        base = f"{self.backend}-c{self.level.concurrency}" if self.level else "unary"
+        return base if self.workload == "fresh" else f"{self.workload}-{base}"
 
     def prompt_key(self, round_no: int, attempt: int) -> str:
         """The prompt file of this measurement in round `round_no`, try `attempt`: its own
-        prompts, shared by the servers measured with it and by no other measurement."""
+        prompts, shared by the servers measured with it and by no other measurement; for
+        the `repeated` workload, the same file every round and try."""
+        if self.workload == "repeated":
+            return self.key
         return f"r{round_no}-{self.key}-a{attempt}"
 
     def offered_by(self, spec: ServerSpec) -> bool:
+        if spec.workloads is not None and self.workload not in spec.workloads:
+            return False
         return self.level is None or self.backend in spec.backends
+
+    def client_options(self, args: argparse.Namespace) -> tuple[int, list[str]]:
+        """The output length of this measurement's requests and the client's extra options:
+        the repetitive workload asks `/v1/chat/completions` and stops at EOS."""
+        if self.workload == "repetitive":
+            chat = ["--endpoint", "/v1/chat/completions", "--no-ignore-eos"]
+            return args.repetitive_max_tokens, chat
+        return args.output_len, []
 
 
 def measurements(lvls: list[Level], specs: list[ServerSpec], unary: int) -> list[Measurement]:
@@ -616,6 +676,7 @@ def run_client(
     output_len: int,
     label: str,
     tmp: Path,
+    extra_args: Iterable[str] = (),
 ) -> tuple[dict[str, Any], list[str]]:
     out = tmp / f"{label.replace(' ', '_').replace('/', '_')}-{backend}-c{lv.concurrency}.json"
     client = (
@@ -628,6 +689,7 @@ def run_client(
         *bench_arguments(server.url, backend, prompts_file, lv, output_len, out, timeout=600),
         "--label",
         label,
+        *extra_args,
     ]
     extra = fill(server.spec.extra_body, output_len)
     if extra:
@@ -771,9 +833,13 @@ def measure_once(
     started = time.time()
     probe = LoadProbe.begin(benchmark_cpu(running))
     label = server.spec.label + ("" if m.backend == "openai" else " (/generate)")
-    result, argv = run_client(server, m.backend, m.level, prompts_file, args.output_len, label, tmp)
+    output_len, extra = m.client_options(args)
+    result, argv = run_client(
+        server, m.backend, m.level, prompts_file, output_len, label, tmp, extra
+    )
     load = probe.end(benchmark_cpu(running))
     result |= {
+        "workload": m.workload,
         "started_unix": round(started, 2),
         "load": load,
         "contaminated": load["other_cores"] > args.contamination,
@@ -784,7 +850,8 @@ def measure_once(
             for s, before in zip(idle, idle_before, strict=True)
         }
     progress(
-        f"  {server.spec.label:<22s} {m.backend:8s} c={m.level.concurrency:<3d} "
+        f"  {server.spec.label:<22s} {m.workload + ' ' if m.workload != 'fresh' else ''}"
+        f"{m.backend:8s} c={m.level.concurrency:<3d} "
         f"{result['output_throughput']:7.1f} tok/s  ttft p50 {result['median_ttft_ms']:7.1f} "
         f"p99 {result['p99_ttft_ms']:7.1f} ms  failed {result['failed']}  client cpu "
         f"{result['client_cpu_load']:.0%}  others {load['other_cores']:.2f} cores"
@@ -882,11 +949,25 @@ def start_servers(
         stack.callback(server.stop)
         facts: dict[str, Any] = {"code_fingerprint": code_fingerprint()}
         facts["startup_s"] = round(server.start(port), 2)
+        facts |= repack_facts(server)
         progress(
             f"  {spec.label} answering after {facts['startup_s']:.1f} s; log {server.log_path}"
         )
         started.append((server, facts))
     return started
+
+
+def repack_facts(server: Server) -> dict[str, Any]:
+    """Whether a started server repacks its weights, as far as it says: Tributary's
+    /get_server_info fields that name repacking; llama-server's `--no-repack` (absent: it
+    repacks, its default)."""
+    if server.spec.label == "llama-server":
+        return {"no_repack_flag": "--no-repack" in server.argv}
+    if not server.spec.label.startswith("tributary"):
+        return {}
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        info = client.get(server.url + "/get_server_info").json()
+    return {"server_info_repack": repack_fields(info)}
 
 
 def new_record(server: Server, round_no: int, before: dict[str, Any]) -> dict[str, Any]:
@@ -905,6 +986,8 @@ def prompts_for_run(
 ) -> dict[str, Any]:
     """The prompt files of the whole run, in `tmp`, built with `server`'s tokenizer."""
     progress(f"  building the prompts with {server.spec.label}'s tokenizer")
+    if args.workloads:
+        return workload_prompt_files(server.url, tmp, plan, args) | {"built_by": server.spec.label}
     info = build_prompt_files(
         server.url,
         tmp,
@@ -947,6 +1030,8 @@ def run_interleaved(
         servers = [server for server, _ in started]
         builder = next((s for s in servers if s.spec.label.startswith("tributary")), servers[0])
         prompt_info = prompts_for_run(builder, plan, args, tmp)
+        if "repeated-prime" in prompt_info["files"]:
+            prompt_info["warmup_pass"] = warm_caches(servers, prompt_info, args, tmp)
         for round_no in range(1, args.rounds + 1):
             by_label: dict[str, dict[str, Any]] = {}
             for index, m in enumerate(plan):
@@ -962,7 +1047,7 @@ def run_interleaved(
                     by_label = {
                         server.spec.label: new_record(server, round_no, quiet)
                         | {"code_fingerprint": facts["code_fingerprint"]}
-                        | ({"startup_s": facts["startup_s"]} if round_no == 1 else {})
+                        | (facts if round_no == 1 else {})
                         for server, facts in started
                     }
                 measure_slot(order, servers, m, round_no, by_label, prompt_info["files"], args, tmp)
@@ -973,6 +1058,8 @@ def run_interleaved(
         for server in servers:
             memory = by_label[server.spec.label]["memory"] = server.memory()
             progress(f"  {server.spec.label}: peak RSS {memory['peak_rss_mib']:.0f} MiB")
+            if server.spec.label.startswith("tributary"):
+                by_label[server.spec.label]["log_mentions"] = log_mentions(server.log_path)
     return records, prompt_info
 
 
@@ -1026,6 +1113,223 @@ def run_sequential(
             records.append(record)
     assert prompt_info is not None
     return records, prompt_info
+
+
+# -- workloads (--workloads; bench/serving_workloads.py) -----------------------------------
+
+
+def workload_specs(
+    servers_by_workload: dict[str, list[str]], variants: dict[str, list[str]]
+) -> tuple[list[ServerSpec], dict[str, str]]:
+    """The servers of a --workloads run, each measured on the workloads that name it
+    (streaming `/v1` only). A variant whose options this `tributary serve` does not know is
+    left out; returned with the reason, by name."""
+    help_text = subprocess.run(
+        [str(VENV_BIN / "tributary"), "serve", "--help"], capture_output=True, text=True
+    ).stdout
+    names = list(dict.fromkeys(n for names in servers_by_workload.values() for n in names))
+    specs, skipped = [], {}
+    for name in names:
+        workloads = frozenset(w for w, listed in servers_by_workload.items() if name in listed)
+        variant = name.removeprefix("tributary-")
+        if name == "tributary":
+            spec = ServerSpec(name, tributary_argv(), "/health", workloads=workloads)
+        elif name == "llama-server":
+            spec = dataclasses.replace(server_specs([name])[0], workloads=workloads)
+        elif name.startswith("tributary-") and variant in variants:
+            missing = unknown_flags(variants[variant], help_text)
+            if missing:
+                skipped[name] = f"`tributary serve` has no {', '.join(missing)} yet"
+                progress(f"  leaving out {name}: {skipped[name]}")
+                continue
+            argv = [*tributary_argv(), *variants[variant]]
+            spec = ServerSpec(name, argv, "/health", workloads=workloads)
+        else:
+            sys.exit(
+                f"unknown server {name!r}: tributary, llama-server or tributary-NAME for a "
+                f"NAME of --tributary-flags ({', '.join(sorted(variants))})"
+            )
+        specs.append(spec)
+    if not any(spec.label == "llama-server" for spec in specs):
+        sys.exit("every workload compares with llama-server: name it in --workload-servers")
+    return specs, skipped
+
+
+def workload_plan(
+    workloads: list[str], lvls: list[Level], specs: list[ServerSpec], args: argparse.Namespace
+) -> list[Measurement]:
+    """A round's measurements: each workload in turn, `fresh` and `repeated` at each level,
+    `repetitive` at concurrency 1; only those some server is measured on."""
+    plan: list[Measurement] = []
+    for workload in workloads:
+        if workload == "repetitive":
+            plan.append(Measurement("openai", Level(1, args.repetitive_requests, 1), workload))
+        else:
+            plan += [Measurement("openai", lv, workload) for lv in lvls]
+    return [m for m in plan if any(m.offered_by(spec) for spec in specs)]
+
+
+def write_prompts(path: Path, prompts: list[Any], warm: list[Any], url: str, seed: int) -> str:
+    """A prompt file `tributary bench --load-prompts` reads."""
+    from tributary.bench import Workload, WorkloadSpec, save_workload
+
+    longest = max(p.tokens for p in prompts + warm)
+    spec = WorkloadSpec(num_prompts=len(prompts), input_len=longest, seed=seed, warmup=len(warm))
+    save_workload(
+        Workload(spec=spec, prompts=prompts, warmup_prompts=warm, tokenizer_url=url), path
+    )
+    return str(path)
+
+
+def workload_prompt_files(
+    url: str, out_dir: Path, plan: list[Measurement], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The prompt files of a --workloads run, by `Measurement.prompt_key`: `fresh` as the
+    default run's (`build_prompt_files`); `repeated` one set (seed + 1) whose first n
+    prompts every measurement at that level sends, and `repeated-prime`, the whole set for
+    the warm-up pass; `repetitive` a new slice of the tasks' prompts per round,
+    measurement and try."""
+    import trio
+
+    sys.path.insert(0, str(REPO))
+    from tributary.bench import Prompt, ServerTokenizer, WorkloadSpec, build_workload
+
+    fresh = [m for m in plan if m.workload == "fresh"]
+    info: dict[str, Any] = {"files": {}}
+    if fresh:
+        info = build_prompt_files(
+            url,
+            out_dir,
+            fresh,
+            rounds=args.rounds,
+            attempts=args.attempts,
+            input_len=args.input_len,
+            unary=0,
+            seed=args.seed,
+        )
+    files = info["files"]
+    repeated = [m for m in plan if m.workload == "repeated" and m.level]
+    repetitive = [m for m in plan if m.workload == "repetitive" and m.level]
+
+    async def build_set(size: int) -> list[Any]:
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
+            spec = WorkloadSpec(
+                num_prompts=size, input_len=args.input_len, seed=args.seed + 1, warmup=0
+            )
+            return (await build_workload(ServerTokenizer(client, url), spec)).prompts
+
+    async def count(texts: list[str]) -> list[int]:
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
+            tokenizer = ServerTokenizer(client, url)
+            return [len(await tokenizer.tokenize(text)) for text in texts]
+
+    if repeated:
+        size = max(m.level.num_prompts for m in repeated if m.level)
+        fixed = trio.run(build_set, size)
+        for m in repeated:
+            assert m.level is not None
+            path = out_dir / f"prompts-{m.key}.json"
+            warm = fixed[: m.level.warmup]
+            files[m.key] = write_prompts(path, fixed[: m.level.num_prompts], warm, url, args.seed)
+        prime = out_dir / "prompts-repeated-prime.json"
+        files["repeated-prime"] = write_prompts(prime, fixed, [], url, args.seed)
+        info["repeated"] = {"count": size, "tokens": sorted({p.tokens for p in fixed})}
+    if repetitive:
+        texts = repetitive_prompts(load_tasks())
+        slices = [
+            (m.prompt_key(round_no, attempt), m.level)
+            for round_no in range(1, args.rounds + 1)
+            for attempt in range(args.attempts)
+            for m in repetitive
+            if m.level
+        ]
+        need = sum(lv.num_prompts + lv.warmup for _, lv in slices)
+        if need > len(texts):
+            sys.exit(
+                f"the repetitive workload needs {need} prompts; bench/repetitive has {len(texts)}"
+            )
+        lengths = trio.run(count, texts[:need])
+        prompts = [Prompt(text, n) for text, n in zip(texts, lengths, strict=False)]
+        cursor = 0
+        for key, lv in slices:
+            warm = prompts[cursor : cursor + lv.warmup]
+            measured = prompts[cursor + lv.warmup : cursor + lv.warmup + lv.num_prompts]
+            cursor += lv.warmup + lv.num_prompts
+            files[key] = write_prompts(out_dir / f"prompts-{key}.json", measured, warm, url, 0)
+        info["repetitive"] = {
+            "count": need,
+            "available": len(texts),
+            "tokens_min": min(lengths),
+            "tokens_max": max(lengths),
+        }
+    return info | {"files": files}
+
+
+def warm_caches(
+    servers: list[Server], prompt_info: dict[str, Any], args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """The repeated workload's warm-up pass: the whole fixed set once to every server that
+    measures it, at the highest concurrency, before round 1. Returns what each made of it
+    (cold: its first sight of every prompt)."""
+    path = prompt_info["files"]["repeated-prime"]
+    size = len(json.loads(Path(path).read_text())["prompts"])
+    top = max(args.concurrency)
+    seen = {}
+    for server in servers:
+        if not Measurement("openai", Level(top, size, 0), "repeated").offered_by(server.spec):
+            continue
+        label = server.spec.label + " (warm-up pass)"
+        result, _ = run_client(
+            server, "openai", Level(top, size, 0), path, args.output_len, label, tmp
+        )
+        seen[server.spec.label] = {
+            key: result[key]
+            for key in ("output_throughput", "median_ttft_ms", "completed", "failed")
+        }
+        progress(
+            f"  {server.spec.label}: warm-up pass of the repeated set, "
+            f"{result['output_throughput']:.1f} tok/s, ttft p50 {result['median_ttft_ms']:.0f} ms"
+        )
+    return seen
+
+
+def expected_seconds(
+    plan: list[Measurement], specs: list[ServerSpec], args: argparse.Namespace
+) -> float:
+    """How long a --workloads run should take (serving_workloads.estimate_seconds)."""
+    slots = []
+    for m in plan:
+        assert m.level is not None
+        long = m.workload == "repetitive"
+        slots.append(
+            Slot(
+                servers=sum(1 for spec in specs if m.offered_by(spec)),
+                concurrency=m.level.concurrency,
+                requests=m.level.num_prompts + m.level.warmup,
+                prompt_tokens=REPETITIVE_PROMPT_TOKENS if long else args.input_len,
+                output_tokens=min(args.repetitive_max_tokens, 300) if long else args.output_len,
+            )
+        )
+    warmed = sum(1 for spec in specs if spec.workloads and "repeated" in spec.workloads)
+    sizes = [m.level.num_prompts for m in plan if m.workload == "repeated" and m.level]
+    top = max(args.concurrency)
+    primes = [Slot(warmed, top, max(sizes), args.input_len, args.output_len)] if sizes else []
+    return estimate_seconds(slots, args.rounds, len(specs), primes)
+
+
+def collect_builds(specs: list[ServerSpec], model: Path) -> dict[str, Any]:
+    """How each side's llama.cpp was built (serving_machine.py): Tributary's llama-cpp-python
+    (version, compiled kernels), llama-server's build.json and what a `-v` start says."""
+    builds: dict[str, Any] = {}
+    if any(spec.label.startswith("tributary") for spec in specs):
+        builds["tributary"] = {"llama_cpp_python": llama_cpp_python_info(VENV_BIN / "python")}
+    if any(spec.label == "llama-server" for spec in specs):
+        binary = llama_server_binary()
+        progress("  reading llama-server's build (one start with -v)")
+        builds["llama-server"] = json.loads((binary.parent / "build.json").read_text()) | {
+            "probe": probe_llama_server(binary, model, free_port())
+        }
+    return builds
 
 
 # -- summary -----------------------------------------------------------------------------
@@ -1263,7 +1567,7 @@ def latency_cdf(records: list[dict[str, Any]], top: int) -> dict[str, dict[str, 
     }
 
 
-def page_facts(records: list[dict[str, Any]], top: int) -> dict[str, Any]:
+def page_facts(records: list[dict[str, Any]], top: int | None) -> dict[str, Any]:
     """What the page shows of the rounds' records beside the summary: the load during each
     round, the commands, the versions of Tributary's sources, how the unary test ran, and
     the latencies of the CDF plots."""
@@ -1294,7 +1598,8 @@ def page_facts(records: list[dict[str, Any]], top: int) -> dict[str, Any]:
         # whether the unary test took turns request by request between servers (interleaved
         # runs since its requests recorded when each started)
         "unary_turns": any("start_unix" in r for r in requests),
-        "latency_cdf": latency_cdf(records, top),
+        # the CDF plots' latencies at concurrency `top` (None: no plots)
+        **({"latency_cdf": latency_cdf(records, top)} if top is not None else {}),
     }
 
 
@@ -1307,6 +1612,7 @@ def summary_doc(raw: dict[str, Any]) -> dict[str, Any]:
     return doc | {
         "summary": summary,
         "targets": targets(summary, top, raw["config"]["unary_tokens"]),
+        "repack": repack_by_server(raw),
         **page_facts(raw["records"], top),
     }
 
@@ -1347,14 +1653,10 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[str]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    """The CPU (model name, the instruction sets of serving_machine.ISA_FLAGS), its cores,
+    memory and the platform."""
     mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    return {
-        "cpu": cpu,
+    return cpu_facts(Path("/proc/cpuinfo").read_text()) | {
         "cores": os.cpu_count(),
         "memory_gib": round(mem_kib / 1024 / 1024, 1),
         "platform": platform.platform(),
@@ -1383,10 +1685,6 @@ def code_state() -> dict[str, Any]:
         "commit": git("rev-parse", "HEAD"),
         "dirty": git("status", "--short", "--", "engine", "app", "tributary").splitlines(),
     }
-
-
-def fmt(v: Any, spec: str = ".1f") -> str:
-    return "n/a" if v is None else format(v, spec)
 
 
 def ratio_cell(ratio: float | None, low: float | None, high: float | None) -> str:
@@ -1442,6 +1740,8 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
         "Generated by `bench/serving.py` (`just bench-serving`); its figures are in",
         "[serving.json](serving.json). Hand-written notes are kept between the markers below.",
+        "Fresh, repeated and repetitive prompts, with Tributary's variants, side by side with",
+        "llama-server: [serving-workloads.md](serving-workloads.md).",
         "",
         f"Run on {doc['date']}: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, "
         f"Python {m['python']}; Tributary at commit `{doc['code']['commit'][:10]}`"
@@ -1463,6 +1763,7 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         "",
         "## Workload",
         "",
+        *machine_lines(doc),
         f"- Model: `{Path(doc['config']['model']).name}`, 2 threads on every server, "
         f"{doc['config']['context_length']} tokens of context per request (slot).",
         f"- Prompts: {doc['prompts']['count']} built once with Tributary's tokenizer "
@@ -1626,17 +1927,7 @@ def render_markdown(doc: dict[str, Any], notes: str) -> str:
         + ("; interleaved, on every server of the measurement" if interleaved else "")
         + "); the tables use the last try.",
         "",
-        "| round | server | others (cores) | steal (cores) | load average before "
-        "| measurements redone |",
-        "|---:|---|---:|---:|---|---:|",
-    ]
-    for row in doc["rounds"]:
-        before = ", ".join(f"{x:.2f}" for x in row["loadavg_before"])
-        lines.append(
-            f"| {row['round']} | {row['label']} | {row['other_cores']:.2f} | "
-            f"{row['steal_cores']:.2f} | {before} | {row['redone']} |"
-        )
-    lines += [
+        *load_lines(doc),
         "",
         "## Commands",
         "",
@@ -1684,7 +1975,55 @@ def write_raw_json(doc: dict[str, Any], path: Path) -> None:
     path.write_text(text + "\n")
 
 
-def main() -> None:
+def workloads_doc(raw: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a --workloads run's raw document (what serving-workloads.json holds):
+    per workload the rows and targets of serving_workloads.py, each server's facts (start-up,
+    memory, repacking), the load per round and the commands; no per-request records."""
+    records = raw["records"]
+    runs = used_runs(records)
+    facts = page_facts(records, None)
+    doc = {k: v for k, v in raw.items() if k not in ("records", "rows", "targets", "servers")}
+    doc["prompts"] = {k: v for k, v in raw["prompts"].items() if k != "texts"}
+    commands = [c for rec in records for c in rec.get("client_commands", [])]
+    facts["client_commands"] = commands[:1] + [c for c in commands if "chat/completions" in c][:1]
+    servers = []
+    for label in dict.fromkeys(rec["label"] for rec in records):
+        recs = [rec for rec in records if rec["label"] == label]
+        first, last = recs[0], recs[-1]
+        servers.append(
+            {
+                "label": label,
+                "workloads": sorted({r["workload"] for rec in recs for r in rec["runs"]}),
+                "command": first["command"],
+                "startup_s": first.get("startup_s"),
+                "peak_rss_mib": last.get("memory", {}).get("peak_rss_mib"),
+                "log_mentions": last.get("log_mentions", []),
+            }
+            | idle_cpu(records, label)
+        )
+    return doc | {
+        "rows": summarize_workloads(runs),
+        "targets": evaluate_targets(runs),
+        "servers": servers,
+        "repack": repack_by_server(raw),
+        **facts,
+    }
+
+
+def repack_by_server(raw: dict[str, Any]) -> dict[str, str]:
+    """Whether each server repacks its weights, in a line (serving_machine.repack_summary),
+    from its first record's start-up facts and llama-server's probe."""
+    probe = raw.get("builds", {}).get("llama-server", {}).get("probe")
+    said = {}
+    for rec in raw["records"]:
+        if rec["label"] in said or not ({"no_repack_flag", "server_info_repack"} & rec.keys()):
+            continue
+        known = rec | ({"probe": probe} if probe and rec["label"] == "llama-server" else {})
+        said[rec["label"]] = repack_summary(known)
+    return said
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4, help="4: each server once in each position")
     p.add_argument("--context-length", type=int, default=8192, help="tokens per request (slot)")
@@ -1699,7 +2038,38 @@ def main() -> None:
     p.add_argument(
         "--servers",
         nargs="+",
-        default=["tributary", "tributary-no-overlap", "llama-server", "llama-cpp-server"],
+        default=None,
+        help="default: tributary tributary-no-overlap llama-server llama-cpp-server; with "
+        "--workloads, keeps each workload's servers to these",
+    )
+    wl = p.add_argument_group("workloads (bench/serving_workloads.py)")
+    wl.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=None,
+        help="measure these workloads side by side with llama-server (page: "
+        "serving-workloads.md) instead of the default run (serving.md)",
+    )
+    wl.add_argument(
+        "--tributary-flags",
+        action="append",
+        default=[],
+        metavar="NAME='FLAGS'",
+        help="the flags of server tributary-NAME (spec and prefix-any have defaults); "
+        "repeat for several",
+    )
+    wl.add_argument(
+        "--workload-servers",
+        action="append",
+        default=[],
+        metavar="WORKLOAD=a,b,c",
+        help="the servers a workload measures (default: serving_workloads.WORKLOAD_SERVERS)",
+    )
+    wl.add_argument("--repetitive-requests", type=int, default=4, help="measured, per round")
+    wl.add_argument("--repetitive-max-tokens", type=int, default=400)
+    wl.add_argument(
+        "--estimate", action="store_true", help="print the plan and its expected duration, stop"
     )
     p.add_argument("--quiet-threshold", type=float, default=0.15, help="cores used by others")
     p.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait for quiet")
@@ -1710,8 +2080,8 @@ def main() -> None:
         help="a measurement during which others used more cores than this is done again",
     )
     p.add_argument("--attempts", type=int, default=3, help="tries per measurement (see above)")
-    p.add_argument("--output", type=Path, default=DOCS / "serving.json")
-    p.add_argument("--markdown", type=Path, default=DOCS / "serving.md")
+    p.add_argument("--output", type=Path, default=None, help="default: serving.json's folder")
+    p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--no-docs", action="store_true", help="write only --output, no md or plots")
     p.add_argument(
         "--raw-output",
@@ -1733,81 +2103,168 @@ def main() -> None:
     p.add_argument(
         "--render-only",
         action="store_true",
-        help="redraw serving.md and the plots from --output without measuring",
+        help="redraw the page (and plots) from --output without measuring",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    page = "serving-workloads" if args.workloads else "serving"
+    defaults = {"output": DOCS / f"{page}.json", "markdown": DOCS / f"{page}.md"}
+    if args.quick and args.output is None:  # a smoke test: never overwrites the published results
+        args.rounds, args.context_length, args.unary_requests = 1, 1024, 1
+        args.output = Path(tempfile.gettempdir()) / f"{page}-quick.json"
+        args.no_docs = True
+    args.output = args.output or defaults["output"]
+    args.markdown = args.markdown or defaults["markdown"]
+    if args.workloads and args.sequential:
+        p.error("--workloads runs interleaved: the repeated workload needs servers that stay up")
+    return args
+
+
+def render_page(doc: dict[str, Any], markdown: Path) -> list[str]:
+    """Write `markdown` (and, for the default run, its plots) from a summary document,
+    keeping the page's notes; returns the plots' names."""
+    if "workloads" in doc["config"]:
+        markdown.write_text(render_workloads(doc, existing_notes(markdown)))
+        return []
+    drawn = plots(doc, markdown.parent)
+    markdown.write_text(render_markdown(doc, existing_notes(markdown)))
+    return drawn
+
+
+def summarize_raw(raw: dict[str, Any]) -> dict[str, Any]:
+    return workloads_doc(raw) if "workloads" in raw["config"] else summary_doc(raw)
+
+
+def main() -> None:
+    args = parse_args()
     if args.render_only:
         if args.raw_output:
-            doc = summary_doc(json.loads(args.raw_output.read_text()))
+            doc = summarize_raw(json.loads(args.raw_output.read_text()))
             args.output.write_text(summary_json(doc))
         else:
             doc = json.loads(args.output.read_text())
-        plots(doc, args.markdown.parent)
-        args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
+        render_page(doc, args.markdown)
         return
-    if args.quick:  # a smoke test: never overwrites the published results
-        args.rounds, args.context_length, args.unary_requests = 1, 1024, 1
-        if args.output == DOCS / "serving.json":
-            args.output = Path(tempfile.gettempdir()) / "serving-quick.json"
-        args.no_docs = True
 
-    specs = server_specs(args.servers)
     lvls = levels(args.concurrency, args.per_client, args.min_prompts)
-    plan = measurements(lvls, specs, args.unary_requests)
+    skipped: dict[str, str] = {}
+    if args.workloads:
+        variants = variant_flags(parse_assignments(args.tributary_flags, "--tributary-flags"))
+        by_workload = workload_servers(
+            args.workloads,
+            parse_assignments(args.workload_servers, "--workload-servers"),
+            args.servers,
+        )
+        specs, skipped = workload_specs(by_workload, variants)
+        plan = workload_plan(args.workloads, lvls, specs, args)
+        expected = expected_seconds(plan, specs, args)
+        progress(
+            f"{args.rounds} rounds of {len(plan)} measurements ("
+            + ", ".join(
+                f"{m.workload} c={m.level.concurrency if m.level else 1}: "
+                + ", ".join(s.label for s in specs if m.offered_by(s))
+                for m in plan
+            )
+            + f"); expected to take about {expected / 60:.0f} min on a quiet machine"
+        )
+        if args.estimate:
+            return
+    else:
+        specs = server_specs(
+            args.servers
+            or ["tributary", "tributary-no-overlap", "llama-server", "llama-cpp-server"]
+        )
+        plan = measurements(lvls, specs, args.unary_requests)
     model = model_path()
     started = datetime.datetime.now(datetime.UTC)
+    t0 = time.perf_counter()
     # `finally` clauses stop the servers on Ctrl-C; make a plain `kill` take the same way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    builds = collect_builds(specs, model)
     run = run_sequential if args.sequential else run_interleaved
     with tempfile.TemporaryDirectory(prefix="tributary-serving-") as tmp_name:
         records, prompt_info = run(specs, plan, args, model, Path(tmp_name))
-        master = json.loads(Path(prompt_info["master"]).read_text())
-
+        master = (
+            json.loads(Path(prompt_info["master"]).read_text())
+            if "master" in prompt_info
+            else {"prompts": []}
+        )
     lcp_peers = PEERS / "llama-cpp-server-venv" / "peers.json"
-    raw = {
-        "benchmark": "serving",
-        "date": started.isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "code": code_state(),
-        "config": {
-            "mode": "sequential" if args.sequential else "interleaved",
-            "rounds": args.rounds,
-            "context_length": args.context_length,
-            "concurrency": args.concurrency,
-            "levels": [dataclasses.asdict(lv) for lv in lvls],
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "unary_requests": args.unary_requests,
-            "unary_tokens": args.unary_tokens,
-            "seed": args.seed,
-            "contamination": args.contamination,
-            "attempts": args.attempts,
-            "model": str(model),
-            "recipe": (
-                "python3 bench/peers.py build-llama-server && python3 bench/peers.py "
-                "setup-llama-cpp-server && .venv/bin/python bench/serving.py "
-                + shlex.join(sys.argv[1:])
-            ).strip(),
-            "peers": {
-                "llama_server": json.loads(
-                    (llama_server_binary().parent / "build.json").read_text()
-                ),
-                # Set up only when llama-cpp-server is measured.
-                "llama_cpp_server_venv": (
-                    json.loads(lcp_peers.read_text()) if lcp_peers.exists() else None
-                ),
-            },
+    config: dict[str, Any] = {
+        "mode": "sequential" if args.sequential else "interleaved",
+        "rounds": args.rounds,
+        "context_length": args.context_length,
+        "concurrency": args.concurrency,
+        "levels": [dataclasses.asdict(lv) for lv in lvls],
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "unary_requests": 0 if args.workloads else args.unary_requests,
+        "unary_tokens": args.unary_tokens,
+        "seed": args.seed,
+        "contamination": args.contamination,
+        "attempts": args.attempts,
+        "model": str(model),
+        "recipe": (
+            "python3 bench/peers.py build-llama-server && "
+            + ("" if args.workloads else "python3 bench/peers.py setup-llama-cpp-server && ")
+            + ".venv/bin/python bench/serving.py "
+            + shlex.join(sys.argv[1:])
+        ).strip(),
+        "peers": {
+            "llama_server": json.loads((llama_server_binary().parent / "build.json").read_text()),
+            # Set up only when llama-cpp-server is measured.
+            "llama_cpp_server_venv": (
+                json.loads(lcp_peers.read_text()) if lcp_peers.exists() else None
+            ),
         },
+    }
+    if args.workloads:
+        config |= {
+            "workloads": args.workloads,
+            "servers": {
+                w: [s.label for s in specs if s.workloads and w in s.workloads]
+                for w in args.workloads
+            },
+            "variants": {
+                s.label: s.argv[len(tributary_argv()) :]
+                for s in specs
+                if s.label.startswith("tributary-")
+            },
+            "skipped": skipped,
+            "repetitive": {
+                "requests": args.repetitive_requests,
+                "max_tokens": args.repetitive_max_tokens,
+            },
+            "expected_s": round(expected),
+            "page_json": args.output.name,
+        }
+    raw: dict[str, Any] = {
+        "benchmark": "serving-workloads" if args.workloads else "serving",
+        "date": started.isoformat(timespec="seconds"),
+        "duration_s": round(time.perf_counter() - t0),
+        "machine": machine_info(),
+        "builds": builds,
+        "code": code_state(),
+        "config": config,
         "prompts": {k: v for k, v in prompt_info.items() if k not in ("files", "master")}
         | {"texts": [p["text"] for p in master["prompts"]]},
         "records": records,
     }
     if args.raw_output:
         write_raw_json(raw, args.raw_output)
-    doc = summary_doc(raw)
-    summary = doc["summary"]
+    doc = summarize_raw(raw)
     args.output.write_text(summary_json(doc))
-    progress(f"wrote {args.output}")
+    progress(f"wrote {args.output} after {raw['duration_s'] / 60:.1f} min")
+    if not args.workloads:
+        report_idle(doc["summary"])
+    if not args.no_docs:
+        drawn = render_page(doc, args.markdown)
+        progress(f"wrote {args.markdown}" + (f" and {', '.join(drawn)}" if drawn else ""))
+    for t in doc["targets"]:
+        print(f"{'MET   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
+
+
+def report_idle(summary: dict[str, Any]) -> None:
+    """What the idle servers used, and how far apart the pairs were (the default run)."""
     for v in summary["servers"]:
         if v["idle_cores"] is not None:
             progress(
@@ -1819,12 +2276,6 @@ def main() -> None:
             "paired tributary / llama-server measurements started a median of "
             f"{summary['tributary_llama_server_gap_s']:.1f} s apart"
         )
-    if not args.no_docs:
-        drawn = plots(doc, args.markdown.parent)
-        args.markdown.write_text(render_markdown(doc, existing_notes(args.markdown)))
-        progress(f"wrote {args.markdown} and {', '.join(drawn)}")
-    for t in doc["targets"]:
-        print(f"{'MET   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
 
 
 if __name__ == "__main__":

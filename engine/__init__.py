@@ -53,6 +53,7 @@ from .request import LogprobRequest as LogprobRequest
 from .request import Logprobs as Logprobs
 from .request import ModelInfo as ModelInfo
 from .request import Output as Output
+from .request import SpecCounts as SpecCounts
 from .request import TokenLogprob as TokenLogprob
 from .request import TopLogprobs as TopLogprobs
 from .request import WorkerStats as WorkerStats

@@ -85,9 +85,12 @@ class EngineConfig:
     #: Keep an offloaded layer's KV cache on its GPU; False keeps all of it in host memory
     #: (llama-server's `--no-kv-offload`).
     kv_offload: bool = True
-    #: Let llama.cpp repack weights (AMX, etc.). Off by default: on these Xeons AMX repacking
-    #: crashes every decode (docs/architecture.md, "The AMX crash").
-    repack_weights: bool = False
+    #: Let llama.cpp repack the weights for its faster CPU kernels (`use_extra_bufts`, on in
+    #: llama-server): True, False or "auto", which repacks unless llama.cpp was compiled with
+    #: AMX, whose repacked weights crash every decode, or the model's repacked kernels would
+    #: break batch invariance (Q4_K), or the CPU is not x86-64; True is refused with AMX
+    #: (engine/repack.py, docs/architecture.md, "Weight repacking").
+    repack_weights: bool | Literal["auto"] = "auto"
     #: Map the GGUF file (llama.cpp's default: the weights stay in the page cache, shared
     #: with other processes, in 4 KiB pages) instead of reading the weights into memory of
     #: the process's own and moving it into 2 MiB pages, which makes a decode a few percent
@@ -116,6 +119,13 @@ class EngineConfig:
     #: 1 GiB holds about 45,000 tokens of SmolLM2 KV at f16 (some 30 distinct 1,500-token
     #: system prompts), two thirds of what the default KV cache itself allocates.
     prefix_cache_mb: int = 1024
+    #: Which cached prefixes a prompt may start from (docs/operations.md, "Prefix reuse").
+    #: "exact": whole prompts (their KV and last logits row: the same output as a cold
+    #: prefill) and prefixes cut at multiples of `prefill_chunk_tokens` (the rest is computed
+    #: in the same pieces, so output never changes). "any": also the longest shared prefix at
+    #: any token, as llama-server and SGLang reuse (the rest is computed in other pieces, so
+    #: greedy output may differ slightly from a cold prefill's).
+    prefix_reuse: Literal["exact", "any"] = "exact"
     #: Requests with the same prompt admitted while it is still being prefilled (the samples
     #: of `n > 1`) prefill it once and fork its KV (llama runner); off: each prefills it.
     fork_parallel_samples: bool = True
@@ -128,6 +138,20 @@ class EngineConfig:
     #: length. 8,192 is OpenAI's per-input bound; a long-context chat model served with
     #: `--pooling` would otherwise hold a second full context's KV.
     embedding_context_length: int = 8192
+    #: Speculative decoding (engine/speculative.py): "NGRAM" drafts tokens from n-grams of
+    #: each request's prompt and output and verifies them in one batch (SGLang's
+    #: `--speculative-algorithm NGRAM`); None: off. See docs/benchmarks/speculative.md.
+    speculative_algorithm: Literal["NGRAM"] | None = None
+    #: Tokens drafted at most per verification (a request's `speculative_num_draft_tokens`
+    #: may lower it).
+    speculative_num_draft_tokens: int = 8
+    #: The shortest and longest suffix of a request's tokens a draft is matched on.
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    #: No drafts while more sequences than this run (vLLM's `disable_by_batch_size`): on a
+    #: CPU a larger batch is compute-bound, and verifying drafts beside it costs more than
+    #: they save (docs/benchmarks/serving-workloads.md). 0: draft at any batch size.
+    speculative_disable_by_batch_size: int = 4
     #: Latency model for runner="sim".
     sim_latency: SimLatency = dataclasses.field(default_factory=SimLatency)
     #: For fault tests: the sim runner raises RunnerFailure at this step number (1-based).
@@ -167,11 +191,51 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be auto, f16 or q8_0, got {self.kv_cache_dtype!r}"
             )
+        if self.prefix_reuse not in ("exact", "any"):
+            raise ValueError(f"prefix_reuse must be exact or any, got {self.prefix_reuse!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.pooling not in (None, "mean", "cls", "last"):
             raise ValueError(f"pooling must be mean, cls or last, got {self.pooling!r}")
+        if not isinstance(self.repack_weights, bool) and self.repack_weights != "auto":
+            raise ValueError(
+                f"repack_weights must be True, False or auto, got {self.repack_weights!r}"
+            )
         self._check_placement()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm not in (None, "NGRAM"):
+            raise ValueError(
+                f"speculative_algorithm must be NGRAM or None, got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(
+                "speculative_num_draft_tokens must be at least 1, got "
+                f"{self.speculative_num_draft_tokens}"
+            )
+        if (
+            self.speculative_algorithm is not None
+            and self.speculative_num_draft_tokens >= self.prefill_chunk_tokens
+        ):
+            # A verification decodes the last token and its drafts in one batch, whose size
+            # is at least prefill_chunk_tokens (llama runner).
+            raise ValueError(
+                f"speculative_num_draft_tokens ({self.speculative_num_draft_tokens}) must be "
+                f"below prefill_chunk_tokens ({self.prefill_chunk_tokens})"
+            )
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError(
+                "speculative_disable_by_batch_size must be at least 0, got "
+                f"{self.speculative_disable_by_batch_size}"
+            )
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError(
+                "speculative n-gram windows must satisfy 1 <= min <= max, got "
+                f"min {low}, max {high}"
+            )
 
     def _check_placement(self) -> None:
         layers = self.n_gpu_layers

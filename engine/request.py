@@ -14,6 +14,7 @@ from typing import Any, TypeAlias, TypeVar, dataclass_transform
 
 from .errors import EngineError
 from .placement import Placement
+from .repack import WeightsRepack
 from .sampling import SamplingParams
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Logprobs",
     "ModelInfo",
     "Output",
+    "SpecCounts",
     "TokenLogprob",
     "TopLogprobs",
     "WorkerStats",
@@ -164,6 +166,17 @@ class Frame:
     logprobs: Logprobs | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpecCounts:
+    """A request's speculative decoding (engine/speculative.py), in SGLang's meta_info terms:
+    `verify_ct` steps verified drafts, `draft_tokens` were drafted and `accepted_tokens` of
+    them kept (a draft kept past a stop is still counted)."""
+
+    verify_ct: int
+    draft_tokens: int
+    accepted_tokens: int
+
+
 @hot_record
 class Done:
     """The terminal output: the last delta and SGLang's finish_reason."""
@@ -183,6 +196,8 @@ class Done:
     first_token_at: float | None = None
     #: The e2e_latency a remote worker reported for its part (None: served locally).
     worker_e2e_latency: float | None = None
+    #: Its speculative decoding, if it speculated (None: it never could).
+    speculative: SpecCounts | None = None
 
 
 @hot_record
@@ -214,6 +229,9 @@ class ModelInfo:
     #: Where the layers and KV cache went (`/get_server_info`'s `placement`); None for
     #: engines without local layers (sim, a front).
     placement: Placement | None = None
+    #: Whether llama.cpp repacked the weights, and why (`/get_server_info`'s
+    #: `weights_repack`); None for engines without local weights.
+    weights_repack: WeightsRepack | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -234,6 +252,10 @@ class EngineStats:
     prefix_cache_bytes: int = 0  # host memory the prefix cache holds now
     prefix_cache_entries: int = 0
     prefix_cache_hits: int = 0  # admissions that restored a cached prefix, so far
+    #: Speculative decoding so far: steps that verified drafts, tokens drafted, drafts kept.
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

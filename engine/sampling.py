@@ -128,6 +128,14 @@ class SamplingParamsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     structural_tag: Annotated[
         str | None, _field("Not supported by this server yet: a 400 when set.")
     ] = None
+    speculative_num_draft_tokens: Annotated[
+        int | None,
+        _field(
+            "Speculative decoding: tokens drafted at most per step, up to the server's "
+            "--speculative-num-draft-tokens; 0 turns it off for this request.",
+            minimum=0,
+        ),
+    ] = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,6 +166,8 @@ class SamplingParams:
     structural_tag: str | None = None
     #: Normalized: a string becomes a 1-tuple; empty patterns are dropped (as for `stop`).
     stop_regex: tuple[str, ...] = ()
+    #: Draft tokens per step at most (speculative decoding); None: the server's.
+    speculative_num_draft_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -249,6 +259,9 @@ class SamplingParams:
                 _fail(f"stop_token_ids must be in [0, {vocab_size - 1}], got {token_id}.")
         if self.n < 1:
             _fail(f"n must be at least 1, got {self.n}.")
+        drafts = self.speculative_num_draft_tokens
+        if drafts is not None and drafts < 0:
+            _fail(f"speculative_num_draft_tokens must be at least 0, got {drafts}.")
         if self.stream_interval is not None and self.stream_interval < 1:
             _fail(f"stream_interval must be at least 1, got {self.stream_interval}.")
         if len(self.stop) > MAX_STOP_COUNT:

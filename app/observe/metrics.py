@@ -212,6 +212,16 @@ class Metrics:
         )
         tools.add_metric([model], self.tool_call_requests)
         yield tools
+        for name, doc, value in (  # vLLM's spec_decode_* names
+            ("num_drafts", "Steps that verified drafted tokens.", stats.spec_verifies),
+            ("num_draft_tokens", "Tokens drafted (n-gram speculation).", stats.spec_draft_tokens),
+            ("num_accepted_tokens", "Drafted tokens kept.", stats.spec_accepted_tokens),
+        ):
+            counter = CounterMetricFamily(
+                f"tributary:spec_decode_{name}", doc, labels=["model_name"]
+            )
+            counter.add_metric([model], value)
+            yield counter
         yield from self._http_families(model)
         yield from self._gauges(stats, model)
         yield from self._worker_families()

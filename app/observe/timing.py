@@ -33,7 +33,15 @@ from typing import Any, Protocol
 
 import trio
 
-from tributary.engine import Done, Error, FinishReason, GenerateRequest, Output, RequestStream
+from tributary.engine import (
+    Done,
+    Error,
+    FinishReason,
+    GenerateRequest,
+    Output,
+    RequestStream,
+    SpecCounts,
+)
 
 from ..http.errors import abort_status
 from .record import RequestRecord
@@ -77,6 +85,8 @@ class RequestTiming:
         self.first_token_at: float | None = None
         #: What a remote worker measured for its part (None: served locally).
         self.worker_e2e_latency: float | None = None
+        #: Its speculative decoding, from the engine's `Done` (None: it did not speculate).
+        self.speculative: SpecCounts | None = None
         #: What the item was and how it ended (for metrics and the access log).
         self.rid: str | None = None
         self.request: GenerateRequest | None = None
@@ -140,6 +150,7 @@ class RequestTiming:
             self.admitted_at = item.admitted_at
             self.first_token_at = item.first_token_at
             self.worker_e2e_latency = item.worker_e2e_latency
+            self.speculative = item.speculative
             self.answered = abort_status(item.finish_reason) is None
 
     def refused(self, reason: FinishReason) -> None:
@@ -239,8 +250,9 @@ class RequestTiming:
         return (self.completion_tokens - 1) / decode
 
     def detail(self) -> dict[str, Any]:
-        """The `--enable-request-timing` keys of a terminal `meta_info`, in order; behind a
-        fleet, `worker_e2e_latency` (the worker's own e2e_latency) follows them."""
+        """The `--enable-request-timing` keys of a terminal `meta_info`, in order; for a
+        request that speculated, its drafted and accepted counts follow; behind a fleet,
+        `worker_e2e_latency` (the worker's own e2e_latency) comes last."""
         detail: dict[str, Any] = {
             "time_to_first_token": self.time_to_first_token,
             "queue_time": self.queue_time,
@@ -249,6 +261,14 @@ class RequestTiming:
             "mean_inter_token_latency": self.mean_inter_token_latency,
             "decode_throughput": self.decode_throughput,
         }
+        spec = self.speculative
+        if spec is not None:  # SGLang's meta_info names
+            detail["spec_verify_ct"] = spec.verify_ct
+            detail["spec_draft_token_num"] = spec.draft_tokens
+            detail["spec_accept_token_num"] = spec.accepted_tokens
+            detail["spec_accept_rate"] = (
+                spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else None
+            )
         if self.worker_e2e_latency is not None:
             detail["worker_e2e_latency"] = self.worker_e2e_latency
         return detail

@@ -80,6 +80,13 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     structural_tag: Annotated[str | None, _doc(_UNSUPPORTED)] = None
     stop_regex: Annotated[str | list[str] | None, _sglang()] = None
     custom_params: Annotated[dict[str, Any] | None, _sglang()] = None
+    speculative_num_draft_tokens: Annotated[
+        int | None,
+        _doc(
+            "Tributary's own: at most this many n-gram drafts a step (at most the "
+            "server's --speculative-num-draft-tokens); 0 turns speculation off."
+        ),
+    ] = None
     response_format: Annotated[
         Any,
         _doc(

@@ -11,7 +11,9 @@ Synopsis::
   (one choice: exactly its `prefill_time`);
 - `predicted_ms`: from then to the last choice's end (one choice: its `decode_time`);
 - `*_per_token_ms` = ms / n and `*_per_second` = 1000 / ms * n, as llama.cpp computes them
-  (null where they would divide by zero); `cache_n`: cached prompt tokens (0).
+  (null where they would divide by zero); `cache_n`: cached prompt tokens (0);
+- `draft_n`, `draft_n_accepted`: tokens drafted and drafts kept (speculative decoding), only
+  when some choice could speculate, as llama-server adds them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def llama_timings(items: Sequence[RequestTiming]) -> dict[str, Any]:
         prompt_ms = (max(first) - min(admitted)) * 1000
         if ended:
             predicted_ms = (max(ended) - max(first)) * 1000
-    return {
+    timings = {
         "cache_n": sum(t.cached_tokens for t in items),
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
@@ -46,6 +48,11 @@ def llama_timings(items: Sequence[RequestTiming]) -> dict[str, Any]:
         "predicted_per_token_ms": _per_token(predicted_ms, predicted_n),
         "predicted_per_second": _per_second(predicted_ms, predicted_n),
     }
+    spec = [t.speculative for t in items if t.speculative is not None]
+    if spec:  # llama-server's fields when it speculates
+        timings["draft_n"] = sum(s.draft_tokens for s in spec)
+        timings["draft_n_accepted"] = sum(s.accepted_tokens for s in spec)
+    return timings
 
 
 def _per_token(ms: float | None, n: int) -> float | None:

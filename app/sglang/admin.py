@@ -120,6 +120,8 @@ def admin_blueprint(engine: EngineService, state: ServerState) -> Blueprint:
                 "internal_states": [dataclasses.asdict(stats)],
                 # Where the layers and KV cache went (null: no local model, or sim).
                 "placement": info.placement.as_json() if info.placement else None,
+                # Whether the weights were repacked, and whether llama.cpp has AMX (null: sim).
+                "weights_repack": info.weights_repack.as_json() if info.weights_repack else None,
                 "version": version(),
             }
         )

@@ -8,7 +8,7 @@ own task or in one that aborts a request).
 
 Optional features are sub-protocols a runner has or lacks, checked once with `isinstance`
 when the engine starts: `DecodesRuns`, `ReusesKV`, `ReportsKVBytes`, `FindsSpecialTokens`,
-`BoundsTokenCount`, `StopsDecoding`.
+`BoundsTokenCount`, `StopsDecoding`, `VerifiesDrafts`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from ..grammar import Grammars
 from ..logits import LogitHooks
@@ -36,6 +38,8 @@ __all__ = [
     "Runner",
     "SeqStep",
     "StopsDecoding",
+    "VerifiesDrafts",
+    "Verify",
 ]
 
 
@@ -58,18 +62,36 @@ class KVState(Protocol):
 class KVRestore:
     """Load `state` into the entry's (empty) slot before its tokens, keeping positions
     `0 .. n_tokens - 1` only (`n_tokens <= state.n_tokens`; the entry's start_pos is
-    n_tokens)."""
+    n_tokens). An entry with no tokens (and no `fork_from`) that samples takes its token
+    from `logits`, the saved row after position n_tokens - 1 (a whole prompt restored)."""
 
     state: KVState
     n_tokens: int
+    logits: np.ndarray | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class KVSave:
     """Asks the runner for a snapshot of the entry's slot right after its tokens are
-    computed; the runner sets `state` before `step` returns."""
+    computed; the runner sets `state` before `step` returns, and with `with_logits` (an
+    entry that samples) `logits`, a copy of the row it samples from, taken before any
+    suppression, hook or sampler writes into it."""
 
     state: KVState | None = None
+    with_logits: bool = False
+    logits: np.ndarray | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Verify:
+    """Marks an entry whose `tokens[1:]` are drafts (speculative decoding). The runner
+    computes logits at every position of `tokens`, samples position 0 with the slot's sampler,
+    and goes on while the token sampled equals the next draft: `accepted` drafts are kept,
+    and the token it returns is the one sampled after them (at position `start_pos +
+    accepted`); the KV of the rejected drafts is removed, so the slot then holds positions
+    up to `start_pos + accepted`. The sampler sees exactly the tokens kept, in order."""
+
+    accepted: int = 0
 
 
 @hot_record
@@ -100,6 +122,9 @@ class SeqStep:
     #: The runner may decode this entry's sampled token ahead, for the next step (the
     #: overlap): False when the scheduler will hold that decode back (a burst's prefill).
     decode_ahead: bool = True
+    #: Draft verification (runners that `VerifiesDrafts`): `tokens` is [last token, d1 .. dk]
+    #: and the runner sets `verify.accepted` (see `Verify`).
+    verify: Verify | None = None
 
 
 def nothing_decoded() -> None:
@@ -264,6 +289,15 @@ class BoundsTokenCount(Protocol):
     def tokens_at_least(self, text: str) -> int:
         """A lower bound on `len(tokenize(text))` in linear time, without tokenizing."""
         ...
+
+
+@runtime_checkable
+class VerifiesDrafts(Protocol):
+    """A runner whose `step` takes `SeqStep.verify` entries (said with a true
+    `verifies_drafts` attribute); the engine drafts tokens (speculative decoding) only for
+    such runners."""
+
+    verifies_drafts: bool
 
 
 @runtime_checkable

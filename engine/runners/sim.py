@@ -17,10 +17,14 @@ Synopsis::
   the run wakes for each, else all at the run's end, as the llama runner hands them over.
 - KV reuse (`reuses_kv`): a snapshot is the tokens fed so far (`kv_bytes_per_token` each, for
   the prefix cache's bound); restoring and forking cost no time, and output after them is
-  what prefilling would have given, as on the real model.
+  what prefilling would have given, as on the real model (a whole prompt restored samples
+  its first token from its fed tokens, as from the saved row on the real model).
 - Logits, for the hooks (logprobs, custom logit processors): every token has logit 0 but the
   one the sim would pick, which has `SIM_PICK_LOGIT`; if a hook (a mask, a bias, a processor)
   leaves another token higher, the highest is sampled. Prompt positions score as all-zero rows.
+- Draft verification (`verifies_drafts`): a verified entry costs one decode; it feeds its
+  tokens one at a time and samples after each while the sample is the next draft (exactly
+  what single decodes would sample), then forgets the rejected drafts.
 - Embeddings (`sim_embed.py`): sim-only fake vectors, a fixed function of the token ids.
 
 It is never used unless asked for by name (`runner="sim"`).
@@ -39,7 +43,7 @@ from ..config import SimLatency
 from ..errors import RunnerFailure
 from ..request import ModelInfo
 from ..sampling import SamplingParams
-from .base import DecodeRun, KVRestore, RunFeed, SeqStep, nothing_decoded
+from .base import DecodeRun, KVRestore, RunFeed, SeqStep, Verify, nothing_decoded
 from .sim_embed import SimEmbeddings
 
 __all__ = ["SimRunner"]
@@ -54,6 +58,7 @@ SIM_PICK_LOGIT = 5.0
 
 class SimRunner(SimEmbeddings):
     reuses_kv = True
+    verifies_drafts = True
 
     def __init__(
         self,
@@ -101,7 +106,10 @@ class SimRunner(SimEmbeddings):
     async def step(self, plan: Sequence[SeqStep]) -> list[int]:
         self.steps += 1
         decoding = sum(1 for s in plan if len(s.tokens) == 1 and self._seqs[s.seq_id].prefilled)
+        verifying = [s for s in plan if s.verify is not None]  # one decode each
         prefill = sum(len(s.tokens) for s in plan) - decoding
+        prefill -= sum(len(s.tokens) for s in verifying)
+        decoding += len(verifying)
         lat = self.latency
         await trio.sleep(
             lat.step_base + lat.decode_per_seq * decoding + lat.prefill_per_token * prefill
@@ -118,9 +126,14 @@ class SimRunner(SimEmbeddings):
                 leader = self._seqs[s.fork_from].snapshot(self.kv_bytes_per_token)
                 seq.load(KVRestore(leader, leader.n_tokens))
             assert s.start_pos == seq.kv_len, "positions must continue the sequence"
+            if s.verify is not None:
+                sampled.append(seq.verify(s.tokens, s.verify))
+                continue
             seq.feed(s.tokens)
             if s.save is not None:
                 s.save.state = seq.snapshot(self.kv_bytes_per_token)
+                if s.save.with_logits:  # (a sim row: what the bound counts; sampling needs none)
+                    s.save.logits = np.zeros(VOCAB_SIZE, dtype=np.float32)
             if s.hooks is not None and s.prompt_targets:
                 rows = np.zeros((len(s.prompt_targets), VOCAB_SIZE), dtype=np.float32)
                 s.hooks.score_prompt(rows, s.prompt_targets)
@@ -231,6 +244,18 @@ class _SimSeq:
         assert self.kv_len == 0, "restore into a busy slot"
         self.kv_len, self.fed, self._history = 0, [], 0
         self.feed(list(state.tokens[: restore.n_tokens]))
+
+    def verify(self, tokens: list[int], verify: Verify) -> int:
+        """Feed [last, d1 .. dk] while each sample is the next draft; the last sample."""
+        j = 0
+        while True:
+            self.feed([tokens[j]])
+            token = self.sample(frozenset())
+            if j == len(tokens) - 1 or token != tokens[j + 1]:
+                break
+            j += 1
+        verify.accepted = j
+        return token
 
     def sample(self, suppress: frozenset[int]) -> int:
         forced = [t for t, b in self.params.logit_bias.items() if b > 0 and t not in suppress]

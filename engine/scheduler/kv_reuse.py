@@ -1,9 +1,11 @@
 """KV reuse, for runners that `ReusesKV`: the prefix cache, and forks of parallel samples.
 
-A prompt whose chunk-aligned prefix is in the prefix cache starts with that KV restored and
-prefills only the rest; a prompt identical to one still being prefilled waits for it and
-forks its KV and last logits instead of prefilling (parallel samples, `n > 1`). Both give
-exactly the tokens prefilling would have.
+A prompt the prefix cache holds whole starts with all of its KV restored and samples its
+first token from the saved logits row, computing nothing; one whose prefix is in the cache
+(cut at a chunk boundary, or at any token with `prefix_reuse="any"`) starts with that KV
+restored and prefills only the rest; a prompt identical to one still being prefilled waits
+for it and forks its KV and last logits instead of prefilling (parallel samples, `n > 1`).
+All but the mid-chunk prefixes of "any" give exactly the tokens prefilling would have.
 
 `KVReuse` decides which when a sequence is admitted (`reuse`), gives the step planner each
 prompt chunk's restore and snapshot (`plan_restore`, `plan_save`), and when the step has
@@ -34,6 +36,7 @@ class KVReuse:
                 chunk=self.prefill_chunk,
                 # A sliding-window model's snapshots keep only the window (prefix_cache.py).
                 window=getattr(runner, "kv_window", None),
+                mode=config.prefix_reuse,
             )
             if reuse and config.prefix_cache_mb
             else None
@@ -46,7 +49,7 @@ class KVReuse:
 
     def reuse(self, seq: Sequence, running: list[Sequence]) -> None:
         """Before `seq` prefills: wait to fork an identical prompt still being prefilled, or
-        start from the longest prefix the cache holds."""
+        start from the whole prompt or the longest prefix the cache holds."""
         leader = self._fork_leader(seq, running)
         if leader is not None:
             seq.leader = leader
@@ -60,7 +63,9 @@ class KVReuse:
             # (SGLang limits its radix match the same way).
             assert seq.hooks is not None and seq.hooks.logprobs is not None
             prompt = prompt[: seq.hooks.logprobs.spec.start_len + 1]
-        hit = self.prefix_cache.lookup(prompt)
+        hit = self.prefix_cache.lookup(
+            prompt, whole=not seq.scores_prompt, logits=seq.max_new_tokens > 0
+        )
         if hit is not None:
             self.prefix_cache.pin(hit.entry)
             seq.pending_restore = hit
@@ -90,18 +95,34 @@ class KVReuse:
         if hit is None:
             return None
         self._step_pins.append(hit.entry)  # the step now holds the pin
-        return KVRestore(hit.entry.state, hit.n_tokens)
+        logits = hit.entry.logits if hit.whole and seq.max_new_tokens > 0 else None
+        return KVRestore(hit.entry.state, hit.n_tokens, logits)
 
     def plan_save(self, seq: Sequence, end: int) -> KVSave | None:
-        """Snapshot a prompt once, at its last chunk boundary: one entry serves every shorter
-        chunk-aligned prefix too, and a snapshot costs a copy of the whole prefix's KV (so
-        none at the boundaries before, and none if the cache already holds it)."""
+        """Snapshot a prompt once, when its last chunk is computed, with the logits row its
+        first token is sampled from: it serves the whole prompt and every shorter prefix (a
+        snapshot costs a copy of the whole prefix's KV: none at the boundaries before, and
+        none if the cache already holds it). The row is kept only when it is what a cold
+        prefill gives: not beside the rows of prompt logprobs (another output shape). With a
+        sliding window a long prompt's snapshot serves only itself, so its last chunk
+        boundary is saved too, as a prefix."""
         cache = self.prefix_cache
-        if cache is None or end != len(seq.prompt_ids) // self.prefill_chunk * self.prefill_chunk:
+        prompt = seq.prompt_ids
+        if cache is None or end <= seq.cached_tokens:
             return None
-        if end <= seq.cached_tokens or cache.holds(seq.prompt_ids[:end]):
+        if end == len(prompt):
+            with_logits = seq.max_new_tokens > 0 and not seq.scores_prompt
+            if cache.holds(prompt, logits=with_logits):
+                return None
+            save = KVSave(with_logits=with_logits)
+        elif (
+            end == len(prompt) // self.prefill_chunk * self.prefill_chunk
+            and not cache.serves_prefixes(len(prompt))
+            and not cache.holds(prompt[:end])
+        ):
+            save = KVSave()
+        else:
             return None
-        save = KVSave()
         self._step_saves.append((seq, end, save))
         return save
 
@@ -117,7 +138,7 @@ class KVReuse:
             cache.unpin(entry)
         for seq, end, save in saves if ok else ():
             if save.state is not None:
-                cache.insert(seq.prompt_ids[:end], save.state)
+                cache.insert(seq.prompt_ids[:end], save.state, save.logits)
 
     def drop_restore(self, seq: Sequence) -> None:
         """`seq` ends before the step that was to restore its prefix: unpin that entry."""

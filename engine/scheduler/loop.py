@@ -25,6 +25,12 @@ streams or has stop strings or regexes, else once, at the run's end: a unary req
 costs the event loop nothing per token. What is computed is what the same steps would
 compute; only the scheduler's wake-ups change.
 
+With `--speculative-algorithm NGRAM` (engine/speculative.py), a decode may carry drafted
+tokens; the runner verifies them, and the drafts it kept are committed before its sampled
+token, one by one through the stop checks (`Speculation.expand`). A step with drafts is never
+a run; one in which a speculating request found no draft may be a short run
+(`SPEC_RUN_DECODES`), after which it looks for a draft again.
+
 A request that arrives while others decode joins at the next step (a run ends after the
 decode that is running). Aborts are marks (`Sequence.abort`); they take effect at the next
 step boundary and never touch another sequence's output (an abort during a run first
@@ -54,6 +60,7 @@ from ..request import (
     length_reason,
 )
 from ..runners.base import DecodeRun, DecodesRuns, ReportsKVBytes, Runner, SeqStep
+from ..speculative import Speculation
 from .kv_reuse import KVReuse
 from .planner import StepPlanner
 from .sequence import Sequence
@@ -109,6 +116,8 @@ class Scheduler:
         #: (a request arrives or is aborted) ends it after the decode that is running.
         self._run: DecodeRun | None = None
         self._feeding = False  # within _commit_run
+        #: Speculative decoding, if the server speculates (engine/speculative.py).
+        self._spec = Speculation.for_config(config, runner)
 
     # -- called from other tasks (synchronous, never blocks) ----------------------------
 
@@ -155,6 +164,7 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         cache = self.prefix_cache
+        spec = self._spec
         return EngineStats(
             running=len(self.running),
             waiting=len(self.waiting),
@@ -167,6 +177,9 @@ class Scheduler:
             prefix_cache_bytes=cache.bytes if cache is not None else 0,
             prefix_cache_entries=len(cache) if cache is not None else 0,
             prefix_cache_hits=cache.hits if cache is not None else 0,
+            spec_verifies=spec.verifies if spec is not None else 0,
+            spec_draft_tokens=spec.drafted if spec is not None else 0,
+            spec_accepted_tokens=spec.accepted if spec is not None else 0,
         )
 
     def flush_prefix_cache(self) -> bool:
@@ -225,7 +238,10 @@ class Scheduler:
                 self._kv.end_step(ok=True)
                 if run is None:
                     self.steps += 1
-                    self._commit(sampling, [sampled], stepped)
+                    # A verified entry commits its accepted drafts before its sampled token.
+                    spec = self._spec
+                    decoded = [sampled] if spec is None else spec.expand(plan, sampling, sampled)
+                    self._commit(sampling, decoded, stepped)
         finally:
             self._shutdown()
 
@@ -250,6 +266,8 @@ class Scheduler:
                 # logprobs); the sampler chain must not apply it again.
                 params = dataclasses.replace(params, logit_bias={})
             self.runner.open_sequence(seq.slot, params)
+            if self._spec is not None:
+                seq.spec = self._spec.open(seq.prompt_ids, seq.params, seq.hooks)
             self.running.append(seq)
             self._kv.reuse(seq, self.running)
         if len(admitted) > 1:
@@ -276,7 +294,8 @@ class Scheduler:
         stepped: Iterable[Sequence],
     ) -> None:
         """Commit the tokens of one or more decodes (oldest first; one token per sequence in
-        `sampling`, -1 for none) and send each sequence's frame once they are in."""
+        `sampling`, -1 for none) and send each sequence's frame once they are in. The tokens
+        of one sequence go through its stop checks in order: one that ends it drops the rest."""
         now = trio.current_time()
         eos = self._eos
         for seq in stepped:
@@ -291,6 +310,8 @@ class Scheduler:
         for sampled in decodes:
             self.generated_tokens += len(sampled) - sampled.count(-1)
             for seq, token in zip(sampling, sampled, strict=True):
+                if token < 0:
+                    continue  # none in this decode (a verified entry's drafts came first)
                 if seq.abort is not None or seq.finished:
                     # Aborted: reaped at the next boundary; its token is dropped, and so is
                     # the logprob the runner already scored for it.

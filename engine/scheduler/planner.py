@@ -2,7 +2,8 @@
 
 `StepPlanner.plan` turns the running sequences into one step's plan: one decode token per
 decoding sequence, plus at most one prompt chunk of each prefilling sequence, up to
-`max_prefill_tokens` in all. `plan_run` makes a plan of plain decodes a `DecodeRun`, for
+`max_prefill_tokens` in all; a speculating sequence's decode carries its drafts to verify
+(engine/speculative.py). `plan_run` makes a plan of plain decodes a `DecodeRun`, for
 runners that decode runs. `hold_burst` makes the requests admitted at one boundary a burst,
 whose members decode only once all of them have their first tokens.
 
@@ -16,13 +17,18 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import EngineConfig
-from ..runners.base import DecodeRun, SeqStep
+from ..runners.base import DecodeRun, SeqStep, Verify
 from .kv_reuse import KVReuse
 from .sequence import Sequence
 
 __all__ = ["StepPlanner"]
 
 _NOTHING: frozenset[int] = frozenset()
+
+#: The longest run while a sequence that may draft is in it (it found no draft this step;
+#: drafts are looked for again after the run): runs spare ordinary text a step per token,
+#: and a draft found a few tokens later loses little.
+SPEC_RUN_DECODES = 4
 
 
 class StepPlanner:
@@ -38,6 +44,10 @@ class StepPlanner:
         self.max_run = max_run
         self._eos = eos
         self._kv = kv
+        #: Drafts are made only while at most this many sequences run (0: at any count).
+        self.spec_batch_limit = config.speculative_disable_by_batch_size
+        #: Whether the step being planned may draft (set by `plan`, read by `plan_run`).
+        self._drafting = True
 
     def hold_burst(self, admitted: list[Sequence]) -> None:
         """Requests admitted together decode only once all of them have their first token,
@@ -67,12 +77,17 @@ class StepPlanner:
         budget = self.prefill_budget
         forked: list[Sequence] = []
         first_tokens: list[tuple[int, Sequence]] = []  # (plan index, sequence)
+        # A larger batch keeps the CPU busy already: drafts verified beside it cost more
+        # decode work than they save (vLLM's disable_by_batch_size).
+        limit = self.spec_batch_limit
+        self._drafting = drafting = not limit or len(running) <= limit
         for seq in running:
             assert seq.slot is not None
             if seq.leader is not None:
                 continue  # planned with its leader's last chunk
             prompt_len = len(seq.prompt_ids)
-            if seq.prefilled == prompt_len:  # decoding
+            # (A prompt restored whole is planned below, as a last chunk of no tokens.)
+            if seq.prefilled == prompt_len and seq.pending_restore is None:  # decoding
                 if seq.burst is not None:
                     if seq.burst:
                         continue  # held until the rest of its burst has a first token
@@ -80,7 +95,19 @@ class StepPlanner:
                 output_ids = seq.output_ids
                 pos = prompt_len + len(output_ids) - 1
                 suppress = self._suppress(seq)
-                plan.append(SeqStep(seq.slot, [output_ids[-1]], pos, True, suppress, seq.hooks))
+                spec = seq.spec
+                # Speculation: drafts to verify after the last token, leaving room for the
+                # token sampled after them within max_new_tokens; none while suppressing.
+                draft = (
+                    spec.draft(prompt_len, output_ids, seq.max_new_tokens - len(output_ids) - 1)
+                    if spec is not None and drafting and not suppress
+                    else None
+                )
+                if draft:
+                    entry = SeqStep(seq.slot, [output_ids[-1], *draft], pos, True, verify=Verify())
+                else:
+                    entry = SeqStep(seq.slot, [output_ids[-1]], pos, True, suppress, seq.hooks)
+                plan.append(entry)
                 sampling.append(seq)
                 stepped.append(seq)
                 continue
@@ -158,12 +185,16 @@ class StepPlanner:
             if (
                 entry.hooks is not None
                 or entry.suppress
+                or entry.verify is not None  # drafts to verify: a step of its own
                 or not seq.output_ids  # a prompt's one-token last chunk, not a decode
                 or seq.abort is not None
             ):
                 return None
             # Each of its tokens up to its length is an ordinary token (length comes first).
             limit = min(limit, seq.max_new_tokens - len(seq.output_ids))
+            if seq.spec is not None and self._drafting:
+                # It found no draft this step: a short run, then it looks again.
+                limit = min(limit, SPEC_RUN_DECODES)
             watched = watched or seq.watched
             params = seq.params
             stop_ids.append(_NOTHING if params.ignore_eos else self._eos | params.stop_token_ids)

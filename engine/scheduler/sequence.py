@@ -23,6 +23,7 @@ from ..request import (
     stop_reason,
 )
 from ..sampling import SamplingParams
+from ..speculative import SeqSpeculation
 from ..stream import OutputSender
 
 __all__ = ["Sequence"]
@@ -69,6 +70,8 @@ class Sequence:
         #: is still to come, shared by them all: its decodes are held while it is not empty.
         self.burst: set[Sequence] | None = None
         self.forks: list[Sequence] = []
+        #: Its speculative decoding (set at admission); None: it never drafts.
+        self.spec: SeqSpeculation | None = None
         self.output_ids: list[int] = []
         self.emitted_ids = 0  # output_ids already sent in a Frame
         #: Set by Engine.abort; acted on at the next step boundary.
@@ -123,6 +126,7 @@ class Sequence:
                 logprobs=self._logprobs(),
                 admitted_at=self.admitted_at,
                 first_token_at=self.first_token_at,
+                speculative=None if self.spec is None else self.spec.counts(),
             )
         )
         self.sender.close()

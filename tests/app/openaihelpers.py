@@ -15,8 +15,13 @@ from tributary.engine import EngineConfig
 
 #: The real model, small enough to load in about 0.3 s per test. One thread: on a shared
 #: 2-core machine, llama.cpp's two threads spin-wait on each other whenever another process
-#: holds a core, and a step can take seconds.
-MODEL_CONFIG = EngineConfig(context_length=2048, max_running_requests=8, threads=1)
+#: holds a core, and a step can take seconds. No prefix cache: these tests ask the same
+#: prompt twice (unary and streamed, chat and completion) and compare the usage, whose
+#: `cached_tokens` would then count the second one's whole-prompt hit (test_cached_tokens.py
+#: covers that).
+MODEL_CONFIG = EngineConfig(
+    context_length=2048, max_running_requests=8, threads=1, prefix_cache_mb=0
+)
 
 
 def sync_client(server: Server) -> openai.OpenAI:

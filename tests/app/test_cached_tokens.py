@@ -1,6 +1,7 @@
 """`cached_tokens` over HTTP on the real model (SGLang's endpoint test, checklist item 11,
-scaled to 256-token chunks), in every response shape and in `/v1` usage; and `/flush_cache`,
-which empties the prefix cache and refuses (400, SGLang's words) while requests run."""
+scaled to 256-token chunks, with prompts seen before restored whole), in every response
+shape and in `/v1` usage; and `/flush_cache`, which empties the prefix cache and refuses
+(400, SGLang's words) while requests run."""
 
 from __future__ import annotations
 
@@ -32,12 +33,12 @@ def body(n: int, **extra: Any) -> dict[str, Any]:
 
 
 #: `cached_tokens` of the prompts of 100, 2000, 2000, 1000 and 2200 tokens, then of a batch
-#: of 600 and 700. Gemma 3's sliding window (512) lets a snapshot longer than it serve only
-#: its own length (engine/prefix_cache.py): 1000 cannot start from the 1792 entry, nor the
-#: batch from the 768 one.
+#: of 600 and 700. The second 2000 is restored whole. Gemma 3's sliding window (512) lets a
+#: snapshot longer than it serve only its own length (engine/prefix_cache.py): 1000 cannot
+#: start from the 2000 entry, nor the batch from the 768 one.
 EXPECTED = {
-    "smollm2-135m": ([0, 0, 1792, 768, 1792], [512, 512]),
-    "gemma3-270m": ([0, 0, 1792, 0, 1792], [0, 0]),
+    "smollm2-135m": ([0, 0, 2000, 768, 1792], [512, 512]),
+    "gemma3-270m": ([0, 0, 2000, 0, 1792], [0, 0]),
 }
 
 
@@ -55,8 +56,9 @@ async def test_cached_tokens_in_every_shape(model: tuple[Server, str], model_cho
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
         assert (await client.post("/flush_cache")).status_code == 200
         # SGLang sends 100, 10000, 10000, 1000, 11000 tokens and reads 0, 100, 9999, 999,
-        # 10000. Here prefixes are cached at chunk boundaries (multiples of 256) and a prompt
-        # at its last one: 100 is none; 2000 is cached at 1792; 2200 at 2048.
+        # 10000. Here a prompt seen before is restored whole (its last logits too), and other
+        # prefixes are cut at chunk boundaries (multiples of 256): 100 is none; 1000 gets 768
+        # of the 2000; 2200 gets 1792.
         cached = []
         for n in (100, 2000, 2000, 1000, 2200):
             response = await client.post("/generate", json=body(n))
@@ -69,24 +71,24 @@ async def test_cached_tokens_in_every_shape(model: tuple[Server, str], model_cho
         )
         assert [item["meta_info"]["cached_tokens"] for item in batch.json()] == batched
 
-        stream = await client.post("/generate", json=body(600, stream=True))
+        stream = await client.post("/generate", json=body(600, stream=True))  # seen: whole
         frames = parse_sse(stream.text)[:-1]
-        assert [f["meta_info"]["cached_tokens"] for f in frames] == [512] * len(frames)
+        assert [f["meta_info"]["cached_tokens"] for f in frames] == [600] * len(frames)
 
-        # n = 2: the first choice restores 512 tokens and the second forks its prompt; usage
-        # counts the prompt's cached tokens once, as the first choice's (SGLang's count).
+        # n = 2: each choice restores the whole prompt; usage counts the prompt's cached
+        # tokens once, as the first choice's (SGLang's count).
         completion = await client.post(
             "/v1/completions",
             json={"prompt": ids(600), "max_tokens": 4, "temperature": 0, "n": 2},
         )
         usage = completion.json()["usage"]
         assert usage["prompt_tokens"] == 600
-        assert usage["prompt_tokens_details"] == {"cached_tokens": 512}
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 600}
 
     async with httpx.AsyncClient(base_url=incremental_url, timeout=300) as client:
         stream = await client.post("/generate", json=body(700, stream=True))
     frames = parse_sse(stream.text)[:-1]
-    assert frames and all(f["meta_info"]["cached_tokens"] == 512 for f in frames)
+    assert frames and all(f["meta_info"]["cached_tokens"] == 700 for f in frames)
 
 
 async def test_flush_cache_refuses_while_requests_run() -> None:
@@ -102,7 +104,7 @@ async def test_flush_cache_refuses_while_requests_run() -> None:
                         break
                 refused = await client.post("/flush_cache")
             assert (refused.status_code, refused.text) == (400, FLUSH_CACHE_MESSAGE)
-            assert server.eng.stats().prefix_cache_entries == 1
+            assert server.eng.stats().prefix_cache_entries == 2  # (its prompt, saved too)
             await wait_until(lambda: not server.eng.stats().running)  # reaped at a boundary
             flushed = await client.post("/flush_cache")
             assert (flushed.status_code, flushed.text) == (200, FLUSH_CACHE_MESSAGE)

@@ -17,9 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tributary import app, engine
 from tributary.testing import DEFAULT_SIM_LATENCY, AppClient, step_time, wait_engine_idle
 
+#: No prefix cache: a prompt asked again would be restored whole, and these timings are of
+#: prefills (tests/engine/test_prefix_cache.py times the hits).
 pytestmark = pytest.mark.tributary_config(
-    sim_latency=DEFAULT_SIM_LATENCY, max_running_requests=2, max_queued_requests=0
-)
+    sim_latency=DEFAULT_SIM_LATENCY, max_running_requests=2, max_queued_requests=0,
+    prefix_cache_mb=0,
+)  # fmt: skip
 
 #: One decode step of one sequence, and "hello" (5 prompt tokens) alone for 3 tokens.
 DECODE = step_time(decoding=1)

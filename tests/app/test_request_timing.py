@@ -82,7 +82,7 @@ async def test_batch_items_each_have_their_own(
     check(short["meta_info"], queue=0.0, prefill=both, tokens=1)
 
 
-@pytest.mark.tributary_config(max_running_requests=1)
+@pytest.mark.tributary_config(max_running_requests=1, prefix_cache_mb=0)  # (both prefill)
 async def test_queue_time_ends_at_admission(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:

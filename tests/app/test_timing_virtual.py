@@ -66,7 +66,7 @@ async def test_each_batch_item_measures_its_own_end(
     assert long["meta_info"]["e2e_latency"] == pytest.approx(expected_long, abs=1e-9)
 
 
-@pytest.mark.tributary_config(max_running_requests=1)
+@pytest.mark.tributary_config(max_running_requests=1, prefix_cache_mb=0)  # (both prefill)
 async def test_queueing_counts_toward_latency(
     eng: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:

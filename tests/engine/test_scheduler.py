@@ -656,7 +656,7 @@ def test_config_values_that_would_hang_are_refused(setting: dict[str, int]) -> N
         EngineConfig(**setting)  # type: ignore[arg-type]
 
 
-@pytest.mark.tributary_config(max_running_requests=1)
+@pytest.mark.tributary_config(max_running_requests=1, prefix_cache_mb=0)  # (both prefill)
 async def test_done_says_when_the_request_was_admitted_and_its_first_token_sampled(
     tributary_engine: engine.Engine, autojump_clock: trio.abc.Clock
 ) -> None:

@@ -9,8 +9,11 @@ Built on llama-cpp-python's low-level bindings (`llama_batch`, `llama_decode`, p
 KV removal, one C sampler chain per request). Facts it relies on, measured on these machines
 (docs/architecture.md):
 
-- Weight repacking (`use_extra_bufts`) makes every decode segfault on AMX Xeons, and is no
-  faster for Q4 weights here, so it is off unless `repack_weights` asks for it.
+- Weight repacking (`use_extra_bufts`) makes every decode segfault when llama.cpp was
+  compiled with AMX, and Q4_K's repacked kernels break batch invariance; Q4_0's and
+  IQ4_NL's keep it and prefill 1.4-1.6 times as fast. So `repack_weights="auto"` repacks
+  unless either holds (engine/repack.py decides; `loading.load_weights` reads the build and
+  the GGUF's tensor types and logs one line). SmolLM2's Q4_1 has nothing to repack.
 - ctypes releases the GIL during `llama_decode`, so a step runs in another thread and the
   event loop keeps serving HTTP meanwhile. That thread is always the same one
   (`ComputeThread`, engine/compute_thread.py): llama.cpp is built with OpenMP here, and a

@@ -4,44 +4,59 @@ how its weights are paged, what a context is sized for, and the GGUF's metadata.
 Synopsis::
 
     model, pages = load_model(default_model_path(), config)  # blocking
+    loaded = load_weights(path, config, placement)  # the same, and how the weights were repacked
     ctx = new_context(model, config, kv_cells=cells, n_batch=batch_tokens(config), threads=4)
 
 Loading blocks; the runner loads on the compute thread (`LlamaRunner.load`). A failure
 raises before anything is left allocated: `load_model` frees a model it could not page, and
-`new_context` raises RunnerFailure when llama.cpp refuses the context.
+`new_context` raises RunnerFailure when llama.cpp refuses the context. Weight repacking
+follows `config.repack_weights` (engine/repack.py decides; "auto" repacks unless llama.cpp was
+compiled with AMX), with one log line that says what was done and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import logging
 import math
 import os
+import platform
+import struct
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
+from llama_cpp import _logger
 
 from ...config import EngineConfig
 from ...errors import RunnerFailure
 from ...kv_memory import KV_DTYPES, describe_bytes
 from ...models import resolve_model_path
 from ...placement import Placement
+from ...repack import WeightsRepack, choose_repack, weight_buffers
 from ..hugepages import HugePages, anonymous_ranges, back_with_huge_pages, fresh_ranges
-from .devices import place
+from .devices import _read, _string, _value, place
 
 __all__ = [
     "MAX_GRAPH_TOKENS",
+    "LoadedWeights",
     "batch_tokens",
     "default_model_path",
     "graph_tokens",
     "kv_bytes_per_cell",
+    "llama_system_info",
     "load_model",
+    "load_weights",
     "log_loaded",
     "mapped_weights",
     "model_meta",
     "new_context",
+    "weight_types",
 ]
 
 LOGGER = logging.getLogger("tributary.engine.llama")
@@ -90,18 +105,73 @@ def mapped_weights(config: EngineConfig) -> bool:
     return config.mmap_weights or not sys.platform.startswith("linux")
 
 
+def llama_system_info() -> str:
+    """llama.cpp's build features ("AVX2 = 1 | ... | AMX_INT8 = 1 | REPACK = 1 | ")."""
+    return bytes(llama_cpp.llama_print_system_info()).decode("utf-8", errors="replace")
+
+
+#: ggml's names for the tensor types a GGUF records (ggml.h, enum ggml_type).
+GGML_TYPE_NAMES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
+    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16",
+    39: "MXFP4",
+}  # fmt: skip
+
+
+def weight_types(path: Path) -> frozenset[str]:
+    """The types of the GGUF's tensors, by ggml's names ("Q4_0", "Q6_K", "type 16", ...),
+    from its tensor table. ValueError for a file that is not a GGUF file."""
+    types = set()
+    try:
+        with path.open("rb") as file:
+            if file.read(4) != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file")
+            _read(file, "<I")  # version
+            n_tensors, n_kv = _read(file, "<Q"), _read(file, "<Q")
+            for _ in range(n_kv):
+                _string(file)
+                _value(file, _read(file, "<I"))
+            for _ in range(n_tensors):
+                _string(file)
+                file.seek(8 * _read(file, "<I"), os.SEEK_CUR)  # the dimensions
+                types.add(_read(file, "<I"))
+                file.seek(8, os.SEEK_CUR)  # the data offset
+    except (KeyError, struct.error, OverflowError, MemoryError) as exc:
+        raise ValueError(f"{path} is not a GGUF file llama.cpp can load ({exc!r})") from None
+    return frozenset(GGML_TYPE_NAMES.get(t, f"type {t}") for t in types)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedWeights:
+    model: Any
+    pages: HugePages | None
+    repack: WeightsRepack
+
+
 def load_model(
     path: Path, config: EngineConfig, placement: Placement | None = None
 ) -> tuple[Any, HugePages | None]:
+    """`load_weights`' model and pages."""
+    loaded = load_weights(path, config, placement)
+    return loaded.model, loaded.pages
+
+
+def load_weights(
+    path: Path, config: EngineConfig, placement: Placement | None = None
+) -> LoadedWeights:
     """Load the GGUF at `path` as the runner does: its layers where `placement` puts them
     (devices.py; None: all in host memory, whatever llama.cpp's default), its host weights
     read into huge pages (hugepages.py), or mapped with `config.mmap_weights` (the pages are
-    then None), and not repacked unless `config.repack_weights`. Off Linux the weights are
-    always mapped; with layers on a GPU they are read, not into huge pages (None). Blocking."""
+    then None), and repacked as `config.repack_weights` says (engine/repack.py: ValueError
+    for repacking asked of an AMX build). Off Linux the weights are always mapped; with
+    layers on a GPU they are read, not into huge pages (None). Blocking."""
+    choice = choose_repack(
+        config.repack_weights, llama_system_info(), weight_types(path), platform.machine()
+    )
     mapped = mapped_weights(config)
     llama_cpp.llama_backend_init()
     model_params = llama_cpp.llama_model_default_params()
-    model_params.use_extra_bufts = config.repack_weights
+    model_params.use_extra_bufts = choice.enabled
     model_params.n_gpu_layers = 0  # the default offloads every layer of a GPU build
     keep_alive = place(model_params, placement, config) if placement is not None else None
     if mapped:
@@ -109,20 +179,76 @@ def load_model(
     else:
         model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
         before = anonymous_ranges()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    with _llama_log() as log_lines:
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
     del keep_alive  # llama.cpp has read the tensor split
     if not model:
         raise RunnerFailure(f"llama.cpp could not load {path}")
+    repack = WeightsRepack(choice=choice, buffers=weight_buffers("".join(log_lines)))
+    _log_repack(repack)
     if mapped or (placement is not None and placement.offloaded):
         # Offloaded layers go to device memory; what stays in host memory may be a GPU
         # backend's pinned buffer, which huge pages are not for.
-        return model, None
+        return LoadedWeights(model, None, repack)
     try:
         expected = llama_cpp.llama_model_size(model)
-        return model, back_with_huge_pages(fresh_ranges(before, anonymous_ranges()), expected)
+        pages = back_with_huge_pages(fresh_ranges(before, anonymous_ranges()), expected)
     except BaseException:
         llama_cpp.llama_model_free(model)
         raise
+    return LoadedWeights(model, pages, repack)
+
+
+#: The line lists of the `_llama_log` blocks running now (one per thread loading a model).
+_CAPTURES: list[list[str]] = []
+_CAPTURES_LOCK = threading.Lock()
+
+
+@llama_cpp.llama_log_callback
+def _capture_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama-cpp-python's log callback, plus a copy of each line for `_CAPTURES`. A module
+    global, never freed: another thread's llama.cpp call may still be inside it when a block
+    ends and puts llama-cpp-python's own back (a freed ctypes callback would crash it)."""
+    for lines in tuple(_CAPTURES):
+        lines.append(text.decode("utf-8", errors="replace"))
+    _logger.llama_log_callback(level, text, user_data)
+
+
+@contextlib.contextmanager
+def _llama_log() -> Iterator[list[str]]:
+    """What llama.cpp logs while the block runs (it names its weight buffers only there);
+    llama-cpp-python's own log callback still sees every line."""
+    lines: list[str] = []
+    with _CAPTURES_LOCK:
+        _CAPTURES.append(lines)
+        llama_cpp.llama_log_set(_capture_log, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        with _CAPTURES_LOCK:
+            _CAPTURES.remove(lines)
+            if not _CAPTURES:
+                llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+def _log_repack(repack: WeightsRepack) -> None:
+    """The one line about repacking: a WARNING when AMX kept it off or `on` gives up batch
+    invariance, else INFO."""
+    choice = repack.choice
+    log = LOGGER.warning if choice.warn else LOGGER.info
+    if not choice.enabled:
+        log("%s", choice.reason)
+        return
+    buffers = ", ".join(f"{name} {mib:.1f} MiB" for name, mib in repack.buffers.items())
+    pinned = [name for name in repack.buffers if name.endswith("_Host")]
+    if repack.repacked_mib:
+        log("%s: %s", choice.reason, buffers)
+    elif pinned:
+        # A GPU backend's pinned host buffer comes first in llama.cpp's list for host weights.
+        log("%s: none repacked, host weights are in %s for the GPU (%s)", choice.reason,
+            pinned[0], buffers)  # fmt: skip
+    else:
+        log("%s: none has one in this model (%s)", choice.reason, buffers or "?")
 
 
 def new_context(

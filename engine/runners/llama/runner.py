@@ -34,6 +34,7 @@ from ...grammar import Grammars
 from ...kv_memory import KV_DTYPES, InsufficientMemory, check_memory, describe_bytes, mem_available
 from ...models import named_model, resolve_model_path
 from ...placement import Placement
+from ...repack import WeightsRepack
 from ...request import ModelInfo
 from ...sampling import SamplingParams
 from ..base import DecodeRun, RunFeed, SeqStep, nothing_decoded
@@ -46,7 +47,7 @@ from .loading import (
     batch_tokens,
     graph_tokens,
     kv_bytes_per_cell,
-    load_model,
+    load_weights,
     log_loaded,
     mapped_weights,
     model_meta,
@@ -80,10 +81,17 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns, LlamaEmbeddings):
                 f"not enough memory: the model file ({describe_bytes(size)}) is larger than "
                 f"the {describe_bytes(available)} available"
             )
-        model, pages = load_model(path, config, placement)
+        loaded = load_weights(path, config, placement)
+        model = loaded.model
         try:
             return cls(
-                model, path, config, available=available, huge_pages=pages, placement=placement
+                model,
+                path,
+                config,
+                available=available,
+                huge_pages=loaded.pages,
+                placement=placement,
+                weights_repack=loaded.repack,
             )
         except BaseException:
             llama_cpp.llama_model_free(model)
@@ -101,6 +109,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns, LlamaEmbeddings):
         available: int | None = None,
         huge_pages: HugePages | None = None,
         placement: Placement | None = None,
+        weights_repack: WeightsRepack | None = None,
     ) -> None:
         self._model = model
         #: How the weights are paged, when they were read rather than mapped (`load`).
@@ -180,6 +189,7 @@ class LlamaRunner(LlamaVocabulary, LlamaDecodeRuns, LlamaEmbeddings):
             or self._meta_str(b"tokenizer.chat_template")
             or _named_template(config),
             placement=placement,
+            weights_repack=weights_repack,
         )
         #: Sliding-window attention: the positions its layers attend to, which is all that
         #: llama.cpp keeps of them in a snapshot (`ReusesKV`); None for a model without.

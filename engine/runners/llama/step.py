@@ -26,13 +26,12 @@ from ...compute_thread import compute_thread
 from ...request import ModelInfo
 from ..base import KVRestore, SeqStep
 from .decode_stop import DecodeStop
-from .kv import LlamaKV
-from .sampler import LlamaSampling
+from .verify import LlamaVerify, next_position
 
 __all__ = ["DecodeAhead", "LlamaSteps", "batch_fields"]
 
 
-class LlamaSteps(LlamaSampling, LlamaKV):
+class LlamaSteps(LlamaVerify):
     """Steps, and the decode launched ahead of the next one."""
 
     info: ModelInfo
@@ -62,6 +61,8 @@ class LlamaSteps(LlamaSampling, LlamaKV):
         # token was decoded ahead, counted when that decode ran.
         touched = {s.seq_id for s in plan}
         singles = [i for i, s in enumerate(plan) if len(s.tokens) == 1]
+        verifying = [i for i, s in enumerate(plan) if s.verify is not None]
+        rest = [(i, 0) for i in verifying]  # verified entries still to decode (verify.py)
         ahead, self._ahead = self._ahead, None
         opened, self._opened = self._opened, set()
         if ahead is not None:
@@ -79,6 +80,8 @@ class LlamaSteps(LlamaSampling, LlamaKV):
                     sampled[i] = self._sample(s, idx)
                     touched.discard(s.seq_id)
             singles = missed
+            if verifying:
+                rest = self._verify_ahead(plan, verifying, outputs, opened, sampled)
             # Computed for nobody (its sequence ended or was aborted): drop the cell. A slot
             # released since had all its cells removed by the free job that ran in between,
             # and a sequence newly given that slot has no cells before this step's prefill.
@@ -91,12 +94,16 @@ class LlamaSteps(LlamaSampling, LlamaKV):
         for i, s in enumerate(plan):
             if s.restore is not None:  # after that clean-up, which may touch a reopened slot
                 self._load(s.seq_id, s.restore)
+                if s.sample and not s.tokens and s.fork_from is None:  # a whole prompt
+                    sampled[i] = self._sample_restored(s)
             if s.fork_from is not None:
                 forks.setdefault(s.fork_from, []).append(i)
-            if len(s.tokens) > 1:
+            if len(s.tokens) > 1 and s.verify is None:
                 chunks.setdefault(len(s.tokens), []).append(i)
         if singles:
             self._decode(plan, singles, sampled, forks)
+        if rest:
+            self._verify(plan, rest, sampled)
         for length, members in chunks.items():
             # In slot order, so that each decode covers a run of consecutive slots when it can
             # (llama.cpp cuts a call at every gap in the sequence ids).
@@ -111,7 +118,7 @@ class LlamaSteps(LlamaSampling, LlamaKV):
             # (An end-of-generation token usually finishes its sequence: not worth decoding.)
             eog = self.info.eos_token_ids
             nxt = [
-                (plan[i].seq_id, t, plan[i].start_pos + len(plan[i].tokens))
+                (plan[i].seq_id, t, next_position(plan[i]))
                 for i, t in sampled.items()
                 if t not in eog and plan[i].decode_ahead
             ]
@@ -199,7 +206,11 @@ class LlamaSteps(LlamaSampling, LlamaKV):
             followers = forks.get(plan[i].seq_id, [])
             # Suppression and hooks write into the row: each fork samples from the row as
             # the decode left it, so it draws exactly what its own prefill would have given.
-            row = self._row(idx).copy() if followers else None
+            save = plan[i].save
+            keep = save is not None and save.with_logits  # (a whole prompt's, for the cache)
+            row = self._row(idx).copy() if followers or keep else None
+            if save is not None and keep:
+                save.logits = row  # (never written to: forks copy it into the buffer)
             sampled[i] = self._sample(plan[i], idx)
             for f in followers:
                 self._row(idx)[:] = row
