@@ -1,10 +1,11 @@
 """What the generated benchmark pages share: the hand-written notes kept between two markers
 (carried over when the page is written again), the page's opening and closing lines, and the
-summary JSON written beside it."""
+summary JSON written beside it, and writing a page with its JSON (`write_page`)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,20 @@ def _plain(value: dict[str, Any] | list[Any]) -> bool:
     return all(
         not isinstance(v, dict) and (not isinstance(v, list) or _plain(v)) for v in value.values()
     )
+
+
+def write_page(
+    result: dict[str, Any],
+    table: str,
+    json_path: Path,
+    md_path: Path,
+    render: Callable[[dict[str, Any], str, str], str],
+) -> None:
+    """Print `table`, write `result` to `json_path` and `render(result, table, notes)` to
+    `md_path`, keeping the hand-written notes already there."""
+    print()
+    print(table)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    md_path.write_text(render(result, table, existing_notes(md_path)))
+    print(f"\nwrote {json_path.name} and {md_path.name} in {md_path.parent}")

@@ -20,7 +20,6 @@ Writes docs/benchmarks/prefix-cache.json and .md (notes between the markers are 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,7 +32,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from page_notes import NOTES_END, NOTES_START, existing_notes
+from page_notes import NOTES_END, NOTES_START, write_page
 
 from tributary import engine
 from tributary.engine.compute_thread import compute_thread
@@ -238,13 +237,7 @@ async def main() -> None:
         },
         "command": "just bench-prefix-cache " + " ".join(sys.argv[1:]),
     }
-    table = markdown_table(result, med)
-    print()
-    print(table)
-    DOCS.mkdir(parents=True, exist_ok=True)
-    OUT_JSON.write_text(json.dumps(result, indent=2) + "\n")
-    OUT_MD.write_text(page(result, table, existing_notes(OUT_MD)))
-    print(f"\nwrote {OUT_JSON.name} and {OUT_MD.name} in {DOCS}")
+    write_page(result, markdown_table(result, med), OUT_JSON, OUT_MD, page)
 
 
 def mib(n: object) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -38,7 +37,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from page_notes import NOTES_END, NOTES_START, existing_notes
+from page_notes import NOTES_END, NOTES_START, write_page
 from prefix_cache import QUESTIONS, question, system_prompt
 from serving_machine import cpu_facts
 
@@ -219,13 +218,7 @@ async def main() -> None:
         "machine": machine(),
         "command": "just bench-prefix-reuse " + " ".join(sys.argv[1:]),
     }
-    table = markdown(result)
-    print()
-    print(table)
-    DOCS.mkdir(parents=True, exist_ok=True)
-    OUT_JSON.write_text(json.dumps(result, indent=2) + "\n")
-    OUT_MD.write_text(page(result, table, existing_notes(OUT_MD)))
-    print(f"\nwrote {OUT_JSON.name} and {OUT_MD.name} in {DOCS}")
+    write_page(result, markdown(result), OUT_JSON, OUT_MD, page)
 
 
 def markdown(result: dict[str, Any]) -> str:
